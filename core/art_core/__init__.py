@@ -1,0 +1,51 @@
+"""art-core: trajectory types, base models, the GRPO trainer on LoRA, and backends.
+
+Importing this package does not import torch: the training stack loads when a backend first needs it.
+"""
+
+from .backends.local import LocalBackend
+from .config import LoraSettings, TrainConfig
+from .errors import (
+    ArtError,
+    BaseModelNotFoundError,
+    CheckpointError,
+    ConfigError,
+    LifecycleError,
+    TrainingError,
+    TrajectoryError,
+)
+from .model import TrainableModel
+from .types import (
+    CallRecord,
+    History,
+    Message,
+    ToolCall,
+    Trajectory,
+    TrajectoryGroup,
+    read_groups_jsonl,
+    write_groups_jsonl,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArtError",
+    "BaseModelNotFoundError",
+    "CallRecord",
+    "CheckpointError",
+    "ConfigError",
+    "History",
+    "LifecycleError",
+    "LocalBackend",
+    "LoraSettings",
+    "Message",
+    "ToolCall",
+    "TrainConfig",
+    "TrainableModel",
+    "TrainingError",
+    "Trajectory",
+    "TrajectoryError",
+    "TrajectoryGroup",
+    "read_groups_jsonl",
+    "write_groups_jsonl",
+]

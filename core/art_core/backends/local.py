@@ -1,0 +1,205 @@
+"""``LocalBackend``: trains and samples in this process, on CPU or the local GPU.
+
+Per model it keeps one PEFT model that the trainer and the in-process engine share, and it owns the
+on-disk layout ``<path>/<project>/models/<name>/{checkpoints/NNNN, trajectories/, history.jsonl}``.
+Training and sampling take turns on a lock: inference pauses while a step runs, then continues on the
+new adapter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ..config import TrainConfig
+from ..errors import LifecycleError
+from ..types import CallRecord, Message, Trajectory, TrajectoryGroup, write_groups_jsonl
+
+if TYPE_CHECKING:
+    from ..engines.transformers import TransformersEngine
+    from ..model import TrainableModel
+    from ..training.trainer import GRPOTrainer
+
+__all__ = ["LocalBackend"]
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Slot:
+    trainer: GRPOTrainer
+    engine: TransformersEngine
+    model_dir: Path
+    step: int
+    lock: threading.Lock
+
+
+class LocalBackend:
+    """Runs training and sampling in this process.
+
+    Args:
+        path: root folder of projects (checkpoints, trajectories, history).
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default: CUDA when available, else CPU.
+        num_threads: torch threads while this backend computes (restored after each call); default:
+            leave torch's setting. On a small shared CPU, fewer threads than cores avoids collapse.
+        show_progress: show a progress bar during training steps.
+    """
+
+    def __init__(self, *, path: str | Path = ".art", device: str | None = None,
+                 num_threads: int | None = None, show_progress: bool = True) -> None:
+        self.path = Path(path)
+        self.device = device
+        self.num_threads = num_threads
+        self.show_progress = show_progress
+        self._slots: dict[tuple[str, str], _Slot] = {}
+        self._closed = False
+
+    async def __aenter__(self) -> LocalBackend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Release the models. The backend cannot be used afterwards."""
+        self._slots.clear()
+        self._closed = True
+
+    # -- called by TrainableModel ---------------------------------------------------------------------
+
+    def _model_dir(self, model: TrainableModel) -> Path:
+        return self.path / model.project / "models" / model.name
+
+    async def _register(self, model: TrainableModel) -> int:
+        self._check_open()
+        key = (model.project, model.name)
+        if key in self._slots:
+            raise LifecycleError(f"a model named {model.name!r} in project {model.project!r} is already "
+                                 "registered with this backend")
+        slot = await asyncio.to_thread(self._with_threads, lambda: self._load(model))
+        self._slots[key] = slot
+        return slot.step
+
+    async def _train(self, model: TrainableModel, groups: list[TrajectoryGroup],
+                     config: TrainConfig) -> tuple[dict[str, float], int]:
+        slot = self._slot(model)
+        return await asyncio.to_thread(self._with_threads, lambda: self._train_sync(slot, groups, config))
+
+    async def _sample(self, model: TrainableModel, messages: list[dict[str, Any]], *, n: int, max_tokens: int,
+                      temperature: float, tools: list[dict[str, Any]] | None, seed: int | None) -> list[Trajectory]:
+        slot = self._slot(model)
+
+        def run() -> list[Trajectory]:
+            tokenizer = slot.engine.tokenizer
+            prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False)
+            prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+            with slot.lock:
+                completions = slot.engine.generate([prompt] * n, max_new_tokens=max_tokens,
+                                                   temperature=temperature, seed=seed)
+                step = slot.step
+            return [Trajectory(
+                messages=[*(Message.model_validate(m) for m in messages), Message(role="assistant", content=c.text)],
+                tools=tools or [],
+                calls=[CallRecord(prompt_token_ids=prompt, completion_token_ids=c.token_ids, logprobs=c.logprobs,
+                                  adapter_step=step, finish_reason=c.finish_reason)],
+            ) for c in completions]
+
+        return await asyncio.to_thread(self._with_threads, run)
+
+    # -- work done in a worker thread -----------------------------------------------------------------
+
+    def _load(self, model: TrainableModel) -> _Slot:
+        import torch
+
+        from ..engines.transformers import TransformersEngine
+        from ..models import resolve_base_model
+        from ..training.checkpoints import latest_checkpoint
+        from ..training.trainer import GRPOTrainer, load_policy
+
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        base_dir = resolve_base_model(model.base_model)
+        model_dir = self._model_dir(model)
+        latest = latest_checkpoint(model_dir)
+        policy, tokenizer = load_policy(base_dir, model.lora, device=device,
+                                        adapter_dir=latest.path if latest else None)
+        trainer = GRPOTrainer(policy, tokenizer)
+        if latest:
+            trainer.load_optimizer_state(latest.path)
+        return _Slot(trainer, TransformersEngine(policy, tokenizer), model_dir,
+                     latest.step if latest else 0, threading.Lock())
+
+    def _train_sync(self, slot: _Slot, groups: list[TrajectoryGroup],
+                    config: TrainConfig) -> tuple[dict[str, float], int]:
+        from ..training.checkpoints import write_checkpoint
+
+        with slot.lock:  # inference waits for the step, then runs on the new adapter
+            next_step = slot.step + 1
+            # Everything the step learns from is on disk before it starts.
+            write_groups_jsonl(_free_path(slot.model_dir / "trajectories", f"{next_step:04d}"), groups)
+            with self._progress(f"step {next_step}") as progress:
+                metrics = slot.trainer.train_step(groups, config, progress=progress)
+            if metrics.get("trained"):
+                write_checkpoint(slot.model_dir, next_step, slot.trainer.save,
+                                 metadata={"loss": config.loss, "reward_mean": metrics["reward_mean"]})
+                slot.step = next_step
+            _append_history(slot.model_dir / "history.jsonl", {"step": slot.step, "time": time.time(), **metrics})
+            return metrics, slot.step
+
+    # -- helpers --------------------------------------------------------------------------------------
+
+    def _slot(self, model: TrainableModel) -> _Slot:
+        self._check_open()
+        slot = self._slots.get((model.project, model.name))
+        if slot is None:
+            raise LifecycleError(f"model {model.name!r} is not registered with this backend")
+        return slot
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LifecycleError("this LocalBackend is closed; create a new one")
+
+    def _with_threads(self, fn: Callable[[], T]) -> T:
+        if self.num_threads is None:
+            return fn()
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.num_threads)
+        try:
+            return fn()
+        finally:
+            torch.set_num_threads(before)
+
+    @contextmanager
+    def _progress(self, label: str) -> Iterator[Callable[[int, int], None] | None]:
+        if not self.show_progress:
+            yield None
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      transient=True) as bar:
+            task = bar.add_task(f"training {label}", total=None)
+            yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def _free_path(folder: Path, stem: str) -> Path:
+    """``folder/stem.jsonl``, or ``stem-2.jsonl``... when an earlier attempt at the same step left one."""
+    path, k = folder / f"{stem}.jsonl", 2
+    while path.exists():
+        path, k = folder / f"{stem}-{k}.jsonl", k + 1
+    return path
+
+
+def _append_history(path: Path, row: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(row, default=float) + "\n")

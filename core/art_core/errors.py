@@ -1,0 +1,53 @@
+"""Every error art-core raises on purpose.
+
+    ArtError
+    ├── ConfigError              a setting or argument is wrong; nothing ran
+    │   └── BaseModelNotFoundError   a base model name or path cannot be resolved
+    ├── TrajectoryError          a trajectory or group cannot be trained on as given
+    ├── TrainingError            training failed while running
+    ├── CheckpointError          a checkpoint is missing, half-written or does not fit the model
+    └── LifecycleError           an object was used in the wrong state (register twice, use after close)
+
+Each message says what happened, the value involved, and how to fix it. Errors from libraries
+(torch, transformers, peft) are re-raised as one of these with the original kept as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ArtError",
+    "BaseModelNotFoundError",
+    "CheckpointError",
+    "ConfigError",
+    "LifecycleError",
+    "TrainingError",
+    "TrajectoryError",
+]
+
+
+class ArtError(Exception):
+    """Root of every error art-core raises on purpose."""
+
+
+class ConfigError(ArtError, ValueError):
+    """A setting or argument is wrong; nothing ran."""
+
+
+class BaseModelNotFoundError(ConfigError, FileNotFoundError):
+    """A base model name or path cannot be resolved to a local model directory."""
+
+
+class TrajectoryError(ArtError, ValueError):
+    """A trajectory or group cannot be trained on as given (the message names which one)."""
+
+
+class TrainingError(ArtError, RuntimeError):
+    """Training failed while running."""
+
+
+class CheckpointError(ArtError, RuntimeError):
+    """A checkpoint is missing, half-written, or does not fit the model."""
+
+
+class LifecycleError(ArtError, RuntimeError):
+    """An object was used in the wrong state: registered twice, or used after close."""

@@ -1,0 +1,112 @@
+"""``TrainableModel``: the handle a user trains through.
+
+    model = TrainableModel(name="math-agent", base_model="smollm2-135m-instruct")
+    await model.register(LocalBackend())          # loads the base + the latest checkpoint
+    await model.train(groups, config=TrainConfig())  # one GRPO step -> checkpoints/NNNN
+    model.step                                    # completed steps
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .config import LoraSettings, TrainConfig
+from .errors import ConfigError, LifecycleError
+from .types import Trajectory, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from .backends.local import LocalBackend
+
+__all__ = ["TrainableModel"]
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+EMBEDDED_MODEL = "smollm2-135m-instruct"
+
+
+def _check_name(kind: str, value: str) -> str:
+    # Names become folder names and, later, model names in URLs: no separators, no "..".
+    if not _NAME.match(value) or ".." in value:
+        raise ConfigError(f"{kind} {value!r} is not allowed: use 1-64 letters, digits, '.', '_' or '-', "
+                          "starting with a letter or digit")
+    return value
+
+
+class TrainableModel:
+    """A base model plus a LoRA adapter trained with GRPO.
+
+    Args:
+        name: the model's name; also its folder under ``<root>/<project>/models/``.
+        project: groups models on disk.
+        base_model: a local Hugging Face model directory, or a registered name
+            (``"smollm2-135m-instruct"``, the embedded default).
+        lora: the adapter's shape; fixed for the model's life.
+    """
+
+    def __init__(self, *, name: str, project: str = "default", base_model: str | Path = EMBEDDED_MODEL,
+                 lora: LoraSettings | None = None) -> None:
+        self.name = _check_name("model name", name)
+        self.project = _check_name("project name", project)
+        self.base_model = base_model
+        self.lora = lora or LoraSettings()
+        self._backend: LocalBackend | None = None
+        self._step = 0
+
+    def __repr__(self) -> str:
+        return f"TrainableModel(name={self.name!r}, project={self.project!r}, step={self._step})"
+
+    @property
+    def step(self) -> int:
+        """Completed training steps: the number of the checkpoint being served (0 = the base model)."""
+        return self._step
+
+    @property
+    def backend(self) -> LocalBackend:
+        if self._backend is None:
+            raise LifecycleError(f"model {self.name!r} is not registered: call `await model.register(backend)` first")
+        return self._backend
+
+    async def register(self, backend: LocalBackend) -> None:
+        """Attach to a backend: loads the base model and resumes from the latest complete checkpoint.
+
+        Raises:
+            LifecycleError: the model is already registered.
+            BaseModelNotFoundError: the base model cannot be found.
+        """
+        if self._backend is not None:
+            raise LifecycleError(f"model {self.name!r} is already registered; create another TrainableModel "
+                                 "to register it elsewhere")
+        self._step = await backend._register(self)
+        self._backend = backend
+
+    async def train(self, groups: Sequence[TrajectoryGroup], *, config: TrainConfig | None = None) -> dict[str, float]:
+        """Run one GRPO step on ``groups`` and serve the new checkpoint.
+
+        The groups are written to ``trajectories/NNNN.jsonl`` before training starts. When every group has
+        equal rewards (nothing to learn), no checkpoint is written and ``step`` stays the same.
+
+        Returns:
+            The step's metrics (also appended to ``history.jsonl``).
+        """
+        groups = list(groups)
+        if not groups:
+            raise ConfigError("train() got no group: gather at least one TrajectoryGroup first")
+        metrics, self._step = await self.backend._train(self, groups, config or TrainConfig())
+        return metrics
+
+    async def sample(self, messages: Sequence[dict[str, Any]], *, n: int = 1, max_tokens: int = 256,
+                     temperature: float = 1.0, tools: list[dict[str, Any]] | None = None,
+                     seed: int | None = None) -> list[Trajectory]:
+        """Sample ``n`` replies to a chat in process, each as a Trajectory with its token-exact record.
+
+        Agents reach the model through the gateway; this is the direct path for simple tasks and tests.
+        """
+        return await self.backend._sample(self, list(messages), n=n, max_tokens=max_tokens,
+                                          temperature=temperature, tools=tools, seed=seed)
+
+    @property
+    def model_dir(self) -> Path:
+        """``<root>/<project>/models/<name>``: checkpoints, trajectories and history."""
+        return self.backend._model_dir(self)

@@ -1,0 +1,119 @@
+"""Samples -> micro-batches, sharing each group's common prompt.
+
+The completions of a GRPO group sit behind the same prompt (an agent's system prompt, tool schemas and
+task are often most of the tokens). Instead of running that prompt once per completion, a group's
+longest common token prefix is run once and its key/value cache is reused by every completion
+(``training/forward.py``). The remaining suffixes are packed into micro-batches whose padded size stays
+under a token budget, so memory is bounded whatever the group size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .samples import Sample
+
+__all__ = ["MicroBatch", "PrefixGroup", "plan_micro_batches"]
+
+
+@dataclass
+class MicroBatch:
+    """Suffixes of some samples of one prefix group, right-padded to a common length T."""
+
+    input_ids: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T] long, 1 = real token
+    trained: torch.Tensor  # [B, T] float, 1 = token sampled by the model (loss applies)
+    advantages: torch.Tensor  # [B, T] float
+    sampler_logprobs: torch.Tensor  # [B, T] float, NaN where unknown
+    samples: list[Sample]
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+@dataclass
+class PrefixGroup:
+    """Micro-batches whose samples all start with ``prefix_ids`` (empty: nothing shared)."""
+
+    prefix_ids: list[int]
+    micro_batches: list[MicroBatch] = field(default_factory=list)
+
+
+def plan_micro_batches(
+    groups: Sequence[Sequence[Sample]],
+    *,
+    token_budget: int,
+    share_prefix: bool = True,
+    min_shared_prefix: int = 16,
+    pad_token_id: int = 0,
+) -> list[PrefixGroup]:
+    """Plan the forward passes of one optimizer step.
+
+    Args:
+        groups: the samples of each trajectory group (advantages already set).
+        token_budget: most padded suffix tokens in one micro-batch (B * T); one sample longer than this
+            still gets a micro-batch of its own.
+        share_prefix: run each group's common prompt once (exact; off only to compare).
+        min_shared_prefix: below this many common tokens, sharing saves less than it costs.
+        pad_token_id: id put in padding positions (masked out; any valid id works).
+
+    Returns:
+        One ``PrefixGroup`` per input group with at least one sample.
+    """
+    planned = []
+    for samples in groups:
+        if not samples:
+            continue
+        prefix_len = _shared_prefix_length(samples) if share_prefix and len(samples) > 1 else 0
+        if prefix_len < min_shared_prefix:
+            prefix_len = 0
+        group = PrefixGroup(prefix_ids=list(samples[0].token_ids[:prefix_len]))
+        # Longest first so each micro-batch holds suffixes of similar length (little padding).
+        ordered = sorted(samples, key=lambda s: len(s.token_ids), reverse=True)
+        current: list[Sample] = []
+        for sample in ordered:
+            longest = len(current[0].token_ids) - prefix_len if current else len(sample.token_ids) - prefix_len
+            if current and longest * (len(current) + 1) > token_budget:
+                group.micro_batches.append(_collate(current, prefix_len, pad_token_id))
+                current = []
+            current.append(sample)
+        group.micro_batches.append(_collate(current, prefix_len, pad_token_id))
+        planned.append(group)
+    return planned
+
+
+def _shared_prefix_length(samples: Sequence[Sample]) -> int:
+    first = samples[0].token_ids
+    n = min(len(s.token_ids) for s in samples) - 1  # every sample keeps at least one suffix token
+    for s in samples[1:]:
+        ids = s.token_ids
+        i = 0
+        while i < n and ids[i] == first[i]:
+            i += 1
+        n = i
+    # A sampled token must get its gradient from its own sequence's logits: stop before the first one.
+    first_trained = min(s.trained.index(True) for s in samples)
+    return max(0, min(n, first_trained))
+
+
+def _collate(samples: list[Sample], prefix_len: int, pad_token_id: int) -> MicroBatch:
+    width = max(len(s.token_ids) - prefix_len for s in samples)
+    b = len(samples)
+    input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((b, width), dtype=torch.long)
+    trained = torch.zeros((b, width))
+    advantages = torch.zeros((b, width))
+    sampler = torch.full((b, width), math.nan)
+    for i, s in enumerate(samples):
+        n = len(s.token_ids) - prefix_len
+        input_ids[i, :n] = torch.tensor(s.token_ids[prefix_len:])
+        attention[i, :n] = 1
+        trained[i, :n] = torch.tensor(s.trained[prefix_len:], dtype=torch.float32)
+        advantages[i, :n] = s.advantage
+        sampler[i, :n] = torch.tensor(s.sampler_logprobs[prefix_len:])
+    return MicroBatch(input_ids, attention, trained, advantages, sampler, samples)

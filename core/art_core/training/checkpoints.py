@@ -1,0 +1,94 @@
+"""Numbered checkpoints in PEFT adapter format, written atomically.
+
+Layout: ``<model_dir>/checkpoints/NNNN/`` holds ``adapter_model.safetensors``, ``adapter_config.json``,
+``optimizer.pt`` (to resume training where it stopped) and ``checkpoint.json``, written last. A checkpoint
+is written into a hidden temporary sibling and renamed into place, so a crash leaves either the old set
+of checkpoints or the new one; a numbered folder without ``checkpoint.json`` (copied by hand, or written
+by other tools) is ignored with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CheckpointInfo", "latest_checkpoint", "list_checkpoints", "write_checkpoint"]
+
+MARKER = "checkpoint.json"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    path: Path
+
+
+def checkpoint_dir(model_dir: Path, step: int) -> Path:
+    return model_dir / "checkpoints" / f"{step:04d}"
+
+
+def write_checkpoint(model_dir: Path, step: int, save: Any, *, metadata: dict[str, Any]) -> Path:
+    """Write checkpoint ``step`` atomically.
+
+    Args:
+        model_dir: ``<root>/<project>/models/<name>``.
+        step: the step number (1 = after the first training step).
+        save: a function taking a directory and writing the adapter (and optimizer) files into it.
+        metadata: written to ``checkpoint.json`` with the step and time.
+
+    Returns:
+        The checkpoint's directory.
+    """
+    final = checkpoint_dir(model_dir, step)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{step:04d}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        save(tmp)
+        (tmp / MARKER).write_text(json.dumps({"step": step, "time": time.time(), **metadata}, indent=2))
+        if final.exists():
+            # Same step written again (a retried step): keep the older one until the new one is complete.
+            stale = final.parent / f".old-{step:04d}-{uuid.uuid4().hex[:8]}"
+            final.rename(stale)
+            tmp.rename(final)
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def list_checkpoints(model_dir: Path) -> list[CheckpointInfo]:
+    """Complete checkpoints, oldest first. Incomplete ones are skipped with a warning."""
+    root = model_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith("."):
+            continue  # temporary folders of a write in progress or interrupted
+        if not (entry.is_dir() and entry.name.isdigit()):
+            continue
+        if not (entry / MARKER).is_file() or not (entry / "adapter_config.json").is_file():
+            warnings.warn(
+                f"ignoring incomplete checkpoint {entry} (no {MARKER} or adapter_config.json): it was "
+                "probably interrupted while being written; delete it to silence this warning",
+                stacklevel=2,
+            )
+            continue
+        found.append(CheckpointInfo(step=int(entry.name), path=entry))
+    return sorted(found, key=lambda c: c.step)
+
+
+def latest_checkpoint(model_dir: Path) -> CheckpointInfo | None:
+    """The complete checkpoint with the highest step, or None."""
+    checkpoints = list_checkpoints(model_dir)
+    return checkpoints[-1] if checkpoints else None

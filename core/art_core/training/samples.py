@@ -1,0 +1,200 @@
+"""Trajectories -> training samples: token ids plus a mask of the tokens the model sampled.
+
+Two paths:
+
+* **Token-exact** (the normal one): a history's ``calls`` carry the prompt ids the engine ran and the
+  completion ids it sampled. A call whose prompt extends the previous call's prompt + completion
+  (a multi-turn agent with a prefix-stable template) is merged into one sample, so the shared context is
+  computed once; otherwise each call starts a new sample.
+* **Re-rendered** (the fallback, for histories recorded without token ids): the messages go through the
+  tokenizer's chat template again. This is not guaranteed to reproduce what the model saw (templates
+  normalise whitespace, drop reasoning, re-serialise tool arguments), so such samples are flagged and
+  counted in the step's metrics.
+
+Either way the mask covers exactly the tokens the model produced (assistant text and tool calls, up to and
+including its end-of-turn token), never system, user or tool tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import TrajectoryError
+from ..types import CallRecord, History, Message, Trajectory
+
+__all__ = ["Sample", "trajectory_samples"]
+
+NAN = float("nan")
+
+
+@dataclass
+class Sample:
+    """One sequence to train on.
+
+    ``trained[t]`` says whether token t was sampled by the model; the loss at t uses the logits at t-1,
+    so ``trained[0]`` is always False.
+    """
+
+    trajectory_id: str
+    token_ids: list[int]
+    trained: list[bool]
+    sampler_logprobs: list[float]
+    """The sampler's logprob of each trained token; NaN elsewhere and where the engine gave none."""
+    rerendered: bool = False
+    advantage: float = 0.0
+    group_index: int = -1
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if len(self.trained) != n or len(self.sampler_logprobs) != n:
+            raise TrajectoryError(
+                f"trajectory {self.trajectory_id!r}: {n} token ids but {len(self.trained)} mask entries and "
+                f"{len(self.sampler_logprobs)} logprobs; the three must have one entry per token"
+            )
+        if n and self.trained[0]:
+            raise TrajectoryError(
+                f"trajectory {self.trajectory_id!r}: the first token is marked as sampled, but nothing predicts "
+                "it; a call's prompt must hold at least one token"
+            )
+        if not any(self.trained):
+            raise TrajectoryError(
+                f"trajectory {self.trajectory_id!r}: a sample has no token sampled by the model; "
+                "nothing to train on"
+            )
+
+    @property
+    def num_trained(self) -> int:
+        return sum(self.trained)
+
+
+def trajectory_samples(trajectory: Trajectory, tokenizer: Any | None = None) -> list[Sample]:
+    """Build the training samples of one trajectory (all of its histories).
+
+    Args:
+        trajectory: the run to learn from.
+        tokenizer: a Hugging Face tokenizer with a chat template; needed only for histories
+            recorded without token ids (the re-rendered fallback).
+
+    Returns:
+        One sample per merged run of calls, for each history.
+
+    Raises:
+        TrajectoryError: the trajectory has no assistant turn, or a history without token ids cannot be
+            re-rendered (no tokenizer given, or the template cannot render it). The message names the
+            trajectory.
+    """
+    samples: list[Sample] = []
+    for history in trajectory.histories():
+        if history.calls:
+            samples.extend(_samples_from_calls(trajectory.id, history.calls))
+        elif any(m.role == "assistant" for m in history.messages):
+            samples.extend(_samples_by_rerendering(trajectory.id, history, tokenizer))
+    if not samples:
+        raise TrajectoryError(
+            f"trajectory {trajectory.id!r} has no assistant turn and no recorded call: nothing to train on. "
+            "Make sure the rollout called the trainable model (through the gateway), or drop this trajectory."
+        )
+    return samples
+
+
+def _samples_from_calls(trajectory_id: str, calls: list[CallRecord]) -> list[Sample]:
+    samples: list[Sample] = []
+    ids: list[int] = []
+    trained: list[bool] = []
+    logprobs: list[float] = []
+    for call in calls:
+        prompt = call.prompt_token_ids
+        if ids and len(prompt) >= len(ids) and prompt[: len(ids)] == ids:
+            # This call continues the current sample: only the new context (tool results, next user turn).
+            new_context = prompt[len(ids) :]
+        else:
+            if ids:
+                samples.append(Sample(trajectory_id, ids, trained, logprobs))
+            if not prompt:
+                raise TrajectoryError(
+                    f"trajectory {trajectory_id!r}: a call has an empty prompt_token_ids; the gateway's "
+                    "record of the call is incomplete"
+                )
+            ids, trained, logprobs = [], [], []
+            new_context = prompt
+        ids = ids + list(new_context) + list(call.completion_token_ids)
+        trained += [False] * len(new_context) + [True] * len(call.completion_token_ids)
+        sampled = call.logprobs if call.logprobs is not None else [NAN] * len(call.completion_token_ids)
+        logprobs += [NAN] * len(new_context) + [float(x) for x in sampled]
+    samples.append(Sample(trajectory_id, ids, trained, logprobs))
+    return samples
+
+
+def _samples_by_rerendering(trajectory_id: str, history: History, tokenizer: Any | None) -> list[Sample]:
+    if tokenizer is None:
+        raise TrajectoryError(
+            f"trajectory {trajectory_id!r} has no token-exact call records, and no tokenizer was given to "
+            "re-render its messages; record calls through the gateway, or pass the tokenizer"
+        )
+    messages = [_template_message(m) for m in history.messages]
+    tools = history.tools or None
+
+    def render(upto: int, generation_prompt: bool) -> str:
+        try:
+            return tokenizer.apply_chat_template(
+                messages[:upto], tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        except Exception as exc:  # jinja errors: the template cannot express this history
+            raise TrajectoryError(
+                f"trajectory {trajectory_id!r}: the chat template failed to render message {upto - 1}: {exc}"
+            ) from exc
+
+    # Group assistant turns into texts that extend each other (a prefix-stable template gives one text
+    # for the whole history); record the character span of each assistant turn.
+    texts: list[tuple[str, list[tuple[int, int]]]] = []
+    for k, message in enumerate(history.messages):
+        if message.role != "assistant":
+            continue
+        before = render(k, generation_prompt=True)
+        upto = render(k + 1, generation_prompt=False)
+        if not upto.startswith(before):
+            raise TrajectoryError(
+                f"trajectory {trajectory_id!r}: rendering message {k} changes the text before it; "
+                "this chat template cannot be re-rendered turn by turn. Record calls through the gateway."
+            )
+        # The model stopped at its end-of-turn token; whitespace the template adds after it was not sampled.
+        span = (len(before), len(upto.rstrip()))
+        if texts and before.startswith(texts[-1][0]):
+            texts[-1] = (upto, [*texts[-1][1], span])
+        else:
+            texts.append((upto, [span]))
+
+    samples = []
+    for text, spans in texts:
+        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(encoding["input_ids"])
+        trained = [any(lo <= start and end <= hi for lo, hi in spans) and end > start
+                   for start, end in encoding["offset_mapping"]]
+        samples.append(Sample(trajectory_id, ids, trained, [NAN] * len(ids), rerendered=True))
+    return samples
+
+
+def _template_message(message: Message) -> dict[str, Any]:
+    """A message as chat templates expect it: text content, tool-call arguments as objects."""
+    out: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+            for c in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _json_or_text(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments

@@ -1,0 +1,289 @@
+"""One GRPO step on a LoRA adapter: records -> samples -> advantages -> loss -> optimizer step.
+
+``GRPOTrainer`` owns the PEFT model and its optimizer. ``train_step`` reads top to bottom as the five
+phases of a step; the orchestration around it (writing trajectories before the step, checkpoints and
+history after it) lives in ``backends/local.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import LoraSettings, TrainConfig
+from ..errors import CheckpointError, TrainingError, TrajectoryError
+from ..types import TrajectoryGroup
+from .advantages import compute_group_advantages
+from .batching import plan_micro_batches
+from .forward import SharedPrefix, micro_batch_logprobs
+from .losses import LossInputs, build_loss
+from .samples import Sample, trajectory_samples
+
+__all__ = ["GRPOTrainer", "ZeroVarianceGroupsWarning", "load_policy"]
+
+StepMetrics = dict[str, float]
+Progress = Callable[[int, int], None]
+
+
+class ZeroVarianceGroupsWarning(UserWarning):
+    """Some groups had equal rewards for every trajectory: they carry no signal and were dropped."""
+
+
+def load_policy(base_dir: Path, lora: LoraSettings, *, device: str, adapter_dir: Path | None = None) -> tuple[Any, Any]:
+    """Load the base model with a trainable LoRA adapter (fresh, or from ``adapter_dir``).
+
+    Returns:
+        (peft_model, tokenizer)
+    """
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32  # CPUs are slow at bf16 matmuls
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype).to(device)
+    if adapter_dir is None:
+        config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                            target_modules=_present_modules(base, lora.target_modules), task_type="CAUSAL_LM")
+        model = get_peft_model(base, config)
+    else:
+        try:
+            model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
+        except Exception as exc:
+            raise CheckpointError(f"cannot load the adapter in {adapter_dir} onto {base_dir}: {exc}") from exc
+    return model, tokenizer
+
+
+def _present_modules(model: torch.nn.Module, wanted: list[str]) -> list[str]:
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    present = [m for m in wanted if m in names]
+    if not present:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"none of the LoRA target modules {wanted} exist in this model; "
+                          f"its linear layers include {sorted(n for n in names if n.endswith('proj'))}")
+    return present
+
+
+class GRPOTrainer:
+    """Trains one LoRA adapter with GRPO.
+
+    Args:
+        model: a PEFT model whose adapter parameters are trainable.
+        tokenizer: its tokenizer (used for re-rendering histories recorded without token ids).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise TrainingError("the model has no trainable parameter: was the adapter loaded with is_trainable=True?")
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    # -- the step -------------------------------------------------------------------------------------
+
+    def train_step(self, groups: Sequence[TrajectoryGroup], config: TrainConfig, *,
+                   progress: Progress | None = None) -> StepMetrics:
+        """Run one GRPO optimizer step on ``groups``.
+
+        Returns:
+            The step's metrics. ``trained`` is 0.0 when every group was dropped (no update was made).
+
+        Raises:
+            TrajectoryError: a group or trajectory cannot be trained on; nothing was changed.
+            TrainingError: the loss or gradient was not finite; the step was not applied.
+        """
+        t_start = time.perf_counter()
+        loss_fn = build_loss(config.loss, beta=config.beta, tis_cap=config.tis_cap, **config.loss_options)
+        scale = config.advantage_scale or loss_fn.default_advantage_scale
+
+        # 1. advantages: group-relative; groups whose rewards are all equal teach nothing and are dropped
+        for i, group in enumerate(groups):
+            if len(group) == 0:
+                raise TrajectoryError(f"group {i} is empty: every rollout of it failed or none was run "
+                                      f"({len(group.exceptions)} exception(s) recorded); drop it before training")
+        advantages = compute_group_advantages([g.rewards for g in groups], scale=scale)
+        if advantages.dropped_groups:
+            warnings.warn(ZeroVarianceGroupsWarning(
+                f"{len(advantages.dropped_groups)} of {len(groups)} group(s) had equal rewards for every "
+                f"trajectory and were dropped (indices {advantages.dropped_groups[:10]}); shape the reward so "
+                "that rollouts of one task differ"), stacklevel=2)
+
+        # 2. samples: token-exact from the gateway's records (re-rendered only as a flagged fallback)
+        sample_groups: list[list[Sample]] = []
+        for gi, (group, group_adv) in enumerate(zip(groups, advantages.advantages)):
+            if group_adv is None:
+                continue
+            samples = []
+            for trajectory, adv in zip(group.trajectories, group_adv):
+                for sample in trajectory_samples(trajectory, self.tokenizer):
+                    if len(sample.token_ids) > config.max_sequence_length:
+                        raise TrajectoryError(
+                            f"trajectory {trajectory.id!r} (group {gi}) has a sample of {len(sample.token_ids)} "
+                            f"tokens, over max_sequence_length={config.max_sequence_length}; raise the limit "
+                            "or shorten the rollout")
+                    sample.advantage, sample.group_index = adv, gi
+                    samples.append(sample)
+            sample_groups.append(samples)
+
+        metrics: StepMetrics = {
+            "reward_mean": _mean([r for g in groups for r in g.rewards]),
+            "reward_std": _std([r for g in groups for r in g.rewards]),
+            "groups": float(len(groups)),
+            "groups_used": float(len(sample_groups)),
+            "groups_dropped": float(len(advantages.dropped_groups)),
+            "trajectories": float(sum(len(g) for g in groups)),
+            "rollout_exceptions": float(sum(len(g.exceptions) for g in groups)),
+            "learning_rate": config.learning_rate,
+        }
+        if not sample_groups:
+            metrics.update(trained=0.0, seconds_total=time.perf_counter() - t_start)
+            return metrics
+        all_samples = [s for g in sample_groups for s in g]
+        num_sequences = len(all_samples)
+        num_tokens = sum(s.num_trained for s in all_samples)
+        plan = plan_micro_batches(sample_groups, token_budget=config.micro_batch_tokens,
+                                  share_prefix=config.share_prefix, pad_token_id=self._pad_id())
+        total_batches = sum(len(pg.micro_batches) for pg in plan)
+        t_prepared = time.perf_counter()
+
+        # 3. loss: forward + backward per micro-batch; the micro-batch losses of a step add up to its loss
+        self.model.train()
+        totals: dict[str, float] = {}
+        loss_sum, entropy_sum, sampler_diff, sampler_n, done = 0.0, 0.0, 0.0, 0, 0
+        ratio_max, ratio_min = -math.inf, math.inf
+        forward_tokens = 0
+        try:
+            for pg in plan:
+                prefix = SharedPrefix(self.model, pg.prefix_ids, grad=True) if pg.prefix_ids else None
+                ref_prefix = None
+                if config.beta > 0 and pg.prefix_ids:
+                    with torch.no_grad(), self.model.disable_adapter():
+                        ref_prefix = SharedPrefix(self.model, pg.prefix_ids, grad=False)
+                forward_tokens += len(pg.prefix_ids)
+                for mb in pg.micro_batches:
+                    out = micro_batch_logprobs(self.model, mb, prefix, with_entropy=True)
+                    ref = None
+                    if config.beta > 0:
+                        with torch.no_grad(), self.model.disable_adapter():
+                            ref = micro_batch_logprobs(self.model, mb, ref_prefix).logprobs
+                    device = out.logprobs.device
+                    mask = mb.trained.to(device)
+                    result = loss_fn(LossInputs(
+                        logprobs=out.logprobs, old_logprobs=out.logprobs.detach(),  # on-policy: one step per batch
+                        advantages=mb.advantages.to(device), mask=mask,
+                        num_sequences=num_sequences, num_tokens=num_tokens,
+                        sampler_logprobs=mb.sampler_logprobs.to(device), ref_logprobs=ref))
+                    if not torch.isfinite(result.loss):
+                        raise TrainingError(f"the {config.loss} loss is {result.loss.item()} on micro-batch {done + 1} "
+                                            "of this step; the step was not applied (check rewards and learning rate)")
+                    result.loss.backward()
+                    loss_sum += result.loss.item()
+                    for key, value in result.stats.items():
+                        if key == "ratio_max":
+                            ratio_max = max(ratio_max, value.item())
+                        elif key == "ratio_min":
+                            ratio_min = min(ratio_min, value.item())
+                        else:
+                            totals[key] = totals.get(key, 0.0) + value.item()
+                    entropy_sum += (out.entropy * mask).sum().item() if out.entropy is not None else 0.0
+                    known = (mask > 0) & ~torch.isnan(mb.sampler_logprobs.to(device))
+                    if known.any():
+                        sampler_diff += (out.logprobs.detach() - mb.sampler_logprobs.to(device))[known].abs().sum().item()
+                        sampler_n += int(known.sum().item())
+                    forward_tokens += int(mb.attention_mask.sum().item())
+                    done += 1
+                    if progress:
+                        progress(done, total_batches)
+                if prefix is not None:
+                    prefix.backward()
+        except BaseException:
+            self.model.zero_grad(set_to_none=True)  # leave no half-accumulated gradient behind
+            raise
+        t_backward = time.perf_counter()
+
+        # 4. optimizer step, with clipping
+        optimizer = self._optimizer(config)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, config.max_grad_norm or math.inf)
+        if not torch.isfinite(grad_norm):
+            self.model.zero_grad(set_to_none=True)
+            raise TrainingError(f"gradient norm is {grad_norm.item()}; the step was not applied "
+                                "(lower the learning rate, or check for NaN log-probs in the records)")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        t_end = time.perf_counter()
+
+        # 5. metrics
+        metrics.update(
+            trained=1.0,
+            loss=loss_sum,
+            samples=float(num_sequences),
+            samples_rerendered=float(sum(s.rerendered for s in all_samples)),
+            trained_tokens=float(num_tokens),
+            forward_tokens=float(forward_tokens),
+            micro_batches=float(total_batches),
+            entropy=entropy_sum / max(num_tokens, 1),
+            ratio_mean=totals.get("ratio_sum", 0.0) / max(num_tokens, 1),
+            ratio_max=ratio_max if ratio_max > -math.inf else 1.0,
+            ratio_min=ratio_min if ratio_min < math.inf else 1.0,
+            clip_fraction=totals.get("clipped_tokens", 0.0) / max(num_tokens, 1),
+            kl=totals.get("kl_sum", 0.0) / max(num_tokens, 1),
+            is_weight_mean=totals.get("is_weight_sum", 0.0) / max(num_tokens, 1),
+            is_truncated_fraction=totals.get("is_truncated_tokens", 0.0) / max(num_tokens, 1),
+            sampler_logprob_abs_diff=sampler_diff / sampler_n if sampler_n else math.nan,
+            grad_norm=grad_norm.item(),
+            seconds_prepare=t_prepared - t_start,
+            seconds_forward_backward=t_backward - t_prepared,
+            seconds_optimizer=t_end - t_backward,
+            seconds_total=t_end - t_start,
+        )
+        return metrics
+
+    # -- state ----------------------------------------------------------------------------------------
+
+    def save(self, directory: Path) -> None:
+        """Write the adapter (PEFT format) and the optimizer state into ``directory``."""
+        self.model.save_pretrained(directory)
+        if self.optimizer is not None:
+            torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+
+    def load_optimizer_state(self, directory: Path) -> bool:
+        """Restore the optimizer saved with a checkpoint, if there is one. Returns whether it was."""
+        path = directory / "optimizer.pt"
+        if not path.is_file():
+            return False
+        self._pending_optimizer_state = torch.load(path, map_location="cpu", weights_only=True)
+        return True
+
+    def _optimizer(self, config: TrainConfig) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(self.params, lr=config.learning_rate, weight_decay=config.weight_decay)
+            pending = getattr(self, "_pending_optimizer_state", None)
+            if pending is not None:
+                self.optimizer.load_state_dict(pending)
+                self._pending_optimizer_state = None
+        for group in self.optimizer.param_groups:  # the config may change lr between steps
+            group["lr"] = config.learning_rate
+            group["weight_decay"] = config.weight_decay
+        return self.optimizer
+
+    def _pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def _std(xs: list[float]) -> float:
+    if not xs:
+        return math.nan
+    m = _mean(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))

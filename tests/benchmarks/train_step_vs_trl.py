@@ -1,0 +1,425 @@
+"""One GRPO training step, ours vs TRL's ``GRPOTrainer``, on the same work.
+
+The work is the shape an agent with tools produces: one group of 8 completions of 64 tokens each, all
+behind the same 256-token prompt (system prompt + tool schemas + task). Both sides train the same base
+model in fp32 on CPU with the same LoRA adapter (r=8, alpha=16, dropout 0, on q,k,v,o,gate,up,down,
+initialised to the same values: ``_reset_adapter``), the same DAPO loss (token-level mean, clip
+0.2/0.28, beta=0), the same advantages, AdamW at lr 5e-5 and gradient clipping at norm 1.0, one
+optimizer step per group.
+
+What is timed (one "step"):
+
+* ours: ``GRPOTrainer.train_step([group], TrainConfig(loss="dapo"))``, the whole call. It starts from
+  ``Trajectory`` records holding token ids, so it includes turning records into samples and
+  micro-batches, computing the advantages, then the forward + backward (the shared prompt is run once
+  and its KV cache reused by the 8 suffixes: ``training/forward.py``), the per-token entropy it logs,
+  gradient clipping, ``AdamW.step`` and ``zero_grad``.
+* TRL: exactly what ``Trainer``'s loop runs for one optimizer step once ``_prepare_inputs`` has
+  returned: ``trainer.compute_loss(model, inputs)`` (TRL's forward over the 8 full 320-token
+  sequences through its fused LM head, log-probs and entropy, the DAPO loss and its metrics),
+  ``accelerator.backward(loss)``, ``accelerator.clip_grad_norm_``, ``optimizer.step()`` (TRL's default
+  optimizer, fused AdamW) and ``model.zero_grad()``. The ``inputs`` dict is the one
+  ``_generate_and_score_completions`` would return, built here from the same token ids and our
+  advantages: prompt_ids/prompt_mask [8, 256], completion_ids/completion_mask [8, 64], advantages [8],
+  num_items_in_batch = 512. Generation and reward scoring happen before that point on both sides and
+  are not timed on either.
+
+Why this is the same work: the same tokens get the same log-probabilities under the same weights, and
+the same loss and gradient follow; the first step's loss, gradient norm and entropy are printed for
+both sides to check it. With one optimizer step per generated batch (``num_iterations=1``,
+``gradient_accumulation_steps == steps_per_generation == 1``) and no vLLM, TRL's normal path sets
+``old_per_token_logps=None`` (it uses the detached current log-probs, as we do), so TRL does *not* run
+an extra no-grad forward pass here; the script reads that condition off the trainer and reports it.
+On-policy the ratio is exactly 1, so the DAPO loss is -mean(advantage) over tokens, which is ~0 for
+group-normalised advantages of equal-length completions: the gradient norm is the telling check.
+
+Deviations from TRL's defaults, for the sake of same work: ``gradient_checkpointing=False`` (TRL's
+GRPOConfig defaults to True, which would add a recomputed forward to TRL's time and lower its memory),
+``bf16=False`` (fp32, as ours on CPU), constant learning rate (no scheduler step in the timing).
+
+Each side runs in its own subprocess (so peak memory is per side), interleaved round by round:
+ours, TRL, ours without prefix sharing (the ablation that shows where the speed comes from). Each run
+does 1 warm-up step and N timed steps; the reported time is the median over all timed steps of all
+rounds. Memory: peak RSS of the whole process (``ru_maxrss``, includes loading), and the growth of RSS
+during the steps over the RSS after setup (the peak is reset after setup via /proc/self/clear_refs).
+
+Run:
+    cd /work/main && PYTHONPATH=core python tests/benchmarks/train_step_vs_trl.py [--steps 3 --rounds 2]
+
+The last line printed is one JSON object with the figures (``speedup_vs_trl`` = TRL's time / ours).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PROMPT_TOKENS = 256  # a tool-using agent's system prompt + tool schemas + task
+COMPLETION_TOKENS = 64
+GROUP_SIZE = 8
+SEED = 0
+GOAL = 1.5  # ours should be at least this many times faster than TRL
+SIDES = ("ours", "trl", "ours_no_prefix_share")
+
+# The settings both sides share; ours' are its defaults (config.py), written out here for TRL.
+LORA_RANK, LORA_ALPHA, LORA_DROPOUT = 8, 16, 0.0
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LEARNING_RATE, MAX_GRAD_NORM = 5e-5, 1.0
+EPSILON_LOW, EPSILON_HIGH = 0.2, 0.28  # DAPO's clip-higher; ours' DAPOLoss defaults
+
+
+# --------------------------------------------------------------------------------------------------
+# The shared workload
+# --------------------------------------------------------------------------------------------------
+
+def make_workload(tokenizer: Any) -> dict[str, Any]:
+    """One group: a shared prompt, 8 distinct completions, 8 distinct rewards, and their advantages.
+
+    Token ids are drawn from the tokenizer's ordinary vocabulary (no special token, so no completion
+    ends early on an end-of-turn id and every completion token is trained on both sides).
+    """
+    from art_core.training.advantages import compute_group_advantages
+    from art_core.training.losses import DAPOLoss
+
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    vocab = [i for i in range(len(tokenizer)) if i not in special]
+    rng = random.Random(SEED)
+    prompt = [rng.choice(vocab) for _ in range(PROMPT_TOKENS)]
+    completions = [[rng.choice(vocab) for _ in range(COMPLETION_TOKENS)] for _ in range(GROUP_SIZE)]
+    rewards = [i / (GROUP_SIZE - 1) for i in range(GROUP_SIZE)]  # all different: the group is not dropped
+    rng.shuffle(rewards)
+    # The advantages ours computes inside train_step (DAPO's default scale), handed to TRL as is.
+    advantages = compute_group_advantages([rewards], scale=DAPOLoss.default_advantage_scale).advantages[0]
+    assert advantages is not None
+    fingerprint = hashlib.sha256(json.dumps([prompt, completions, advantages]).encode()).hexdigest()[:12]
+    return {"prompt": prompt, "completions": completions, "rewards": rewards,
+            "advantages": advantages, "fingerprint": fingerprint}
+
+
+def _reset_adapter(model: Any) -> str:
+    """Give the LoRA weights the same values on both sides; returns a fingerprint of their names.
+
+    Same scheme as PEFT's default init (A ~ kaiming-uniform(a=sqrt(5)) = U(+-1/sqrt(fan_in)), B = 0),
+    drawn from one seeded generator in name order, because the two sides consume the global RNG
+    differently before PEFT initialises the adapter.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(SEED)
+    names = []
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if not param.requires_grad:
+                continue
+            names.append(f"{name}:{tuple(param.shape)}")
+            if "lora_A" in name:
+                bound = 1.0 / math.sqrt(param.shape[1])
+                param.copy_(torch.rand(param.shape, generator=generator) * 2 * bound - bound)
+            elif "lora_B" in name:
+                param.zero_()
+            else:
+                raise RuntimeError(f"unexpected trainable parameter {name}: only LoRA weights should train")
+    return hashlib.sha256("\n".join(names).encode()).hexdigest()[:12]
+
+
+# --------------------------------------------------------------------------------------------------
+# One side, in its own process
+# --------------------------------------------------------------------------------------------------
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) so the steps' own peak can be read afterwards."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_since_reset_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return math.nan
+
+
+def _ours_setup(model_dir: Path, work: dict[str, Any], *, share_prefix: bool):
+    from art_core.config import LoraSettings, TrainConfig
+    from art_core.training.trainer import GRPOTrainer, load_policy
+    from art_core.types import CallRecord, Trajectory, TrajectoryGroup
+
+    model, tokenizer = load_policy(model_dir, LoraSettings(), device="cpu")
+    adapter = _reset_adapter(model)
+    trainer = GRPOTrainer(model, tokenizer)
+    group = TrajectoryGroup([
+        Trajectory(calls=[CallRecord(prompt_token_ids=work["prompt"], completion_token_ids=c, logprobs=None)],
+                   reward=r)
+        for c, r in zip(work["completions"], work["rewards"])])
+    config = TrainConfig(loss="dapo", beta=0.0, learning_rate=LEARNING_RATE, max_grad_norm=MAX_GRAD_NORM,
+                         share_prefix=share_prefix)
+
+    def step() -> dict[str, float]:
+        t0 = time.perf_counter()
+        m = trainer.train_step([group], config)
+        seconds = time.perf_counter() - t0
+        return {"seconds": seconds, "loss": m["loss"], "grad_norm": m["grad_norm"], "entropy": m["entropy"],
+                "forward_tokens": m["forward_tokens"], "seconds_prepare": m["seconds_prepare"],
+                "seconds_forward_backward": m["seconds_forward_backward"],
+                "seconds_optimizer": m["seconds_optimizer"]}
+
+    return step, adapter, {"optimizer": "torch.optim.AdamW", "extra_forward": False}
+
+
+def _trl_setup(model_dir: Path, work: dict[str, Any], scratch: str):
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    def reward_never_called(completions: list[Any], **kwargs: Any) -> list[float]:
+        # Needed to construct the trainer; scoring happens before the timed phase and is replaced by
+        # the injected advantages.
+        return [0.0] * len(completions)
+
+    args = GRPOConfig(
+        output_dir=scratch, report_to="none", logging_strategy="no", save_strategy="no",
+        use_cpu=True, bf16=False, fp16=False, model_init_kwargs={"dtype": "float32"},
+        gradient_checkpointing=False,  # ours does not checkpoint; TRL's default (True) would recompute
+        per_device_train_batch_size=GROUP_SIZE, num_generations=GROUP_SIZE, gradient_accumulation_steps=1,
+        num_iterations=1, max_completion_length=COMPLETION_TOKENS, temperature=1.0,
+        loss_type="dapo", beta=0.0, epsilon=EPSILON_LOW, epsilon_high=EPSILON_HIGH,
+        learning_rate=LEARNING_RATE, lr_scheduler_type="constant", weight_decay=0.0,
+        max_grad_norm=MAX_GRAD_NORM, seed=SEED,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    trainer = GRPOTrainer(
+        model=str(model_dir), reward_funcs=reward_never_called, args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["unused"] * GROUP_SIZE}), processing_class=tokenizer,
+        peft_config=LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=LORA_DROPOUT,
+                               target_modules=LORA_TARGETS, task_type="CAUSAL_LM"),
+    )
+    adapter = _reset_adapter(trainer.model)
+    trainer.create_optimizer()
+    model, optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)  # as Trainer.train() does
+    trainer.current_gradient_accumulation_steps = 1  # what Trainer.train() sets for a one-batch window
+    # TRL's own condition (_generate_and_score_completions) for running an extra no-grad forward to get
+    # old_per_token_logps; false here, so compute_loss uses the detached current log-probs, as ours does.
+    generate_every = args.steps_per_generation * trainer.num_iterations
+    extra_forward = bool(args.gradient_accumulation_steps % generate_every != 0
+                         or (trainer.use_vllm and trainer.vllm_importance_sampling_correction))
+
+    ones = torch.ones(GROUP_SIZE, PROMPT_TOKENS + COMPLETION_TOKENS, dtype=torch.long)
+    inputs = {
+        "prompt_ids": torch.tensor([work["prompt"]] * GROUP_SIZE),  # [G, P], left-padded (no padding here)
+        "prompt_mask": ones[:, :PROMPT_TOKENS].clone(),  # [G, P]
+        "completion_ids": torch.tensor(work["completions"]),  # [G, C]
+        "completion_mask": ones[:, PROMPT_TOKENS:].clone(),  # [G, C]
+        "advantages": torch.tensor(work["advantages"], dtype=torch.float32),  # [G]
+        "num_items_in_batch": torch.tensor(GROUP_SIZE * COMPLETION_TOKENS),
+    }
+    def step() -> dict[str, float]:
+        t0 = time.perf_counter()
+        model.train()
+        if extra_forward:  # not this configuration; would be part of TRL's post-generation work, so timed
+            with torch.no_grad():
+                ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)  # [G, P+C]
+                mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)  # [G, P+C]
+                inputs["old_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
+                    model, ids, mask, COMPLETION_TOKENS, batch_size=GROUP_SIZE)[0]  # [G, C]
+        with trainer.compute_loss_context_manager():
+            loss = trainer.compute_loss(model, inputs, num_items_in_batch=inputs["num_items_in_batch"])
+        t1 = time.perf_counter()
+        trainer.accelerator.backward(loss)
+        t2 = time.perf_counter()
+        grad_norm = trainer.accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        model.zero_grad()
+        t3 = time.perf_counter()
+        return {"seconds": t3 - t0, "loss": loss.item(), "grad_norm": float(grad_norm),
+                "entropy": trainer._metrics["train"]["entropy"][-1],
+                "forward_tokens": float(GROUP_SIZE * (PROMPT_TOKENS + COMPLETION_TOKENS)),
+                "seconds_forward": t1 - t0, "seconds_backward": t2 - t1,
+                "seconds_forward_backward": t2 - t0, "seconds_optimizer": t3 - t2}
+
+    optimizer_name = f"{type(trainer.optimizer).__name__} ({args.optim})"
+    return step, adapter, {"optimizer": optimizer_name, "extra_forward": extra_forward}
+
+
+def run_side(side: str, model_dir: Path, *, steps: int, threads: int) -> dict[str, Any]:
+    """Set up one side, run 1 warm-up step and ``steps`` timed steps, and measure memory."""
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(SEED)
+    from transformers import AutoTokenizer
+
+    work = make_workload(AutoTokenizer.from_pretrained(model_dir))
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="trl-bench-") as scratch:
+        if side == "trl":
+            step, adapter, info = _trl_setup(model_dir, work, scratch)
+        else:
+            step, adapter, info = _ours_setup(model_dir, work, share_prefix=side == "ours")
+        setup_s = time.perf_counter() - t0
+        rss_setup = _rss_mib()
+        peak_reset = _reset_peak_rss()
+        first = step()  # warm-up; it is also the first optimizer step, compared across sides
+        timed = [step() for _ in range(steps)]
+    step_peak = _peak_rss_since_reset_mib() if peak_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {
+        "side": side, "workload": work["fingerprint"], "adapter": adapter, **info,
+        "setup_s": setup_s, "first": first, "timed": timed,
+        "rss_after_setup_mib": rss_setup,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB on Linux
+        "step_rss_growth_mib": step_peak - rss_setup,
+        "step_peak_measured_exactly": peak_reset,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# The driver: interleaved subprocesses, then the report
+# --------------------------------------------------------------------------------------------------
+
+def _spawn(side: str, model_dir: Path, *, steps: int, threads: int) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, __file__, "--side", side, "--model", str(model_dir), "--steps", str(steps),
+               "--threads", str(threads), "--result-file", out.name]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+               "OMP_NUM_THREADS": str(threads)}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"side {side!r} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        return json.loads(Path(out.name).read_text())
+
+
+def _resolve_model(name_or_path: str) -> Path:
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path.absolute()
+    from art_core.models import resolve_base_model
+
+    return Path(resolve_base_model(name_or_path))
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float:
+    values = [t[key] for r in runs for t in r["timed"] if key in t]
+    return statistics.median(values) if values else math.nan
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="a local Hugging Face model folder, or a name art_core.models knows "
+                             "(default: the embedded smollm2-135m-instruct)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per run, after 1 warm-up (default 3)")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all sides (default 2)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per process (default 2)")
+    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # internal: run one side
+    parser.add_argument("--result-file", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.side:
+        result = run_side(args.side, Path(args.model), steps=args.steps, threads=args.threads)
+        Path(args.result_file).write_text(json.dumps(result))
+        return
+
+    model_dir = _resolve_model(args.model)
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+    for round_index in range(args.rounds):
+        for side in SIDES:
+            result = _spawn(side, model_dir, steps=args.steps, threads=args.threads)
+            runs[side].append(result)
+            times = ", ".join(f"{t['seconds']:.2f}" for t in result["timed"])
+            print(f"round {round_index + 1}/{args.rounds} {side:<22} setup {result['setup_s']:5.1f} s, "
+                  f"warm-up {result['first']['seconds']:.2f} s, steps [{times}] s", flush=True)
+
+    for key in ("workload", "adapter"):
+        seen = {r[key] for rs in runs.values() for r in rs}
+        if len(seen) != 1:
+            raise RuntimeError(f"the sides did not train on the same {key}: fingerprints {sorted(seen)}")
+
+    step_s = {side: _median(rs, "seconds") for side, rs in runs.items()}
+    peak = {side: max(r["peak_rss_mib"] for r in rs) for side, rs in runs.items()}
+    growth = {side: max(r["step_rss_growth_mib"] for r in rs) for side, rs in runs.items()}
+    tokens = {side: rs[0]["first"]["forward_tokens"] for side, rs in runs.items()}
+    first = {side: rs[0]["first"] for side, rs in runs.items()}
+    speedup = step_s["trl"] / step_s["ours"]
+
+    print(f"\nGRPO training step: {GROUP_SIZE} completions x {COMPLETION_TOKENS} tokens behind a shared "
+          f"{PROMPT_TOKENS}-token prompt; model {model_dir.name}; fp32 CPU, {args.threads} threads; "
+          f"median of {args.rounds} rounds x {args.steps} steps")
+    header = f"{'side':<22}{'step s':>8}{'fwd+bwd s':>11}{'optim s':>9}{'fwd tokens':>12}" \
+             f"{'peak RSS MiB':>14}{'step +RSS MiB':>15}"
+    print(header)
+    print("-" * len(header))
+    for side in SIDES:
+        print(f"{side:<22}{step_s[side]:>8.2f}{_median(runs[side], 'seconds_forward_backward'):>11.2f}"
+              f"{_median(runs[side], 'seconds_optimizer'):>9.3f}{tokens[side]:>12.0f}"
+              f"{peak[side]:>14.0f}{growth[side]:>15.0f}")
+    print(f"\nspeedup vs TRL: {speedup:.2f}x (goal {GOAL}x: {'met' if speedup >= GOAL else 'NOT met'}); "
+          f"prefix sharing alone: {step_s['ours_no_prefix_share'] / step_s['ours']:.2f}x")
+    print(f"TRL extra no-grad forward for old_per_token_logps in its normal path: "
+          f"{'yes (timed)' if runs['trl'][0]['extra_forward'] else 'no'}; TRL optimizer: "
+          f"{runs['trl'][0]['optimizer']}")
+    print("first step (same weights, same tokens):")
+    for side in SIDES:
+        f = first[side]
+        print(f"  {side:<22} loss {f['loss']:+.3e}  grad_norm {f['grad_norm']:.6f}  entropy {f['entropy']:.6f}")
+    grad_rel = abs(first["ours"]["grad_norm"] - first["trl"]["grad_norm"]) / first["trl"]["grad_norm"]
+    agree = abs(first["ours"]["loss"] - first["trl"]["loss"]) < 1e-5 and grad_rel < 1e-3
+    print(f"  ours vs TRL: loss diff {abs(first['ours']['loss'] - first['trl']['loss']):.1e}, "
+          f"grad-norm rel diff {grad_rel:.1e} -> {'same computation' if agree else 'MISMATCH'}")
+
+    ours_breakdown = {k: _median(runs["ours"], k) for k in ("seconds_prepare", "seconds_forward_backward",
+                                                              "seconds_optimizer")}
+    print(json.dumps({
+        "speedup_vs_trl": round(speedup, 3),
+        "goal_met": speedup >= GOAL,
+        "ours_step_s": round(step_s["ours"], 4),
+        "trl_step_s": round(step_s["trl"], 4),
+        "ours_no_prefix_share_step_s": round(step_s["ours_no_prefix_share"], 4),
+        "ours_breakdown_s": {k: round(v, 4) for k, v in ours_breakdown.items()},
+        "trl_forward_s": round(_median(runs["trl"], "seconds_forward"), 4),
+        "trl_backward_s": round(_median(runs["trl"], "seconds_backward"), 4),
+        "ours_peak_rss_mib": round(peak["ours"]),
+        "trl_peak_rss_mib": round(peak["trl"]),
+        "ours_no_prefix_share_peak_rss_mib": round(peak["ours_no_prefix_share"]),
+        "ours_step_rss_growth_mib": round(growth["ours"]),
+        "trl_step_rss_growth_mib": round(growth["trl"]),
+        "ours_no_prefix_share_step_rss_growth_mib": round(growth["ours_no_prefix_share"]),
+        "ours_forward_tokens": tokens["ours"],
+        "trl_forward_tokens": tokens["trl"],
+        "first_step": {side: {k: first[side][k] for k in ("loss", "grad_norm", "entropy")} for side in SIDES},
+        "first_step_agree": agree,
+        "trl_extra_old_logps_forward": runs["trl"][0]["extra_forward"],
+        "model": str(args.model),
+        "prompt_tokens": PROMPT_TOKENS,
+        "completion_tokens": COMPLETION_TOKENS,
+        "group_size": GROUP_SIZE,
+        "torch_threads": args.threads,
+        "rounds": args.rounds,
+        "timed_steps_per_round": args.steps,
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The GRPO step for real: optimiser steps on a tiny model, checkpoints, resume, and bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+
+from art_core import (
+    BaseModelNotFoundError,
+    CallRecord,
+    LocalBackend,
+    TrainableModel,
+    TrainConfig,
+    Trajectory,
+    TrajectoryError,
+    TrajectoryGroup,
+)
+from art_core.config import LoraSettings
+from art_core.training.trainer import GRPOTrainer, ZeroVarianceGroupsWarning, load_policy
+
+PROMPT = list(range(100, 140))
+COMPLETIONS = [[201, 202, 203, 2], [301, 302, 2], [401, 402, 403, 404, 2], [501, 2]]
+
+
+def _group(rewarded: int = 0) -> TrajectoryGroup:
+    return TrajectoryGroup(
+        Trajectory(id=f"t{i}", calls=[CallRecord(prompt_token_ids=PROMPT, completion_token_ids=c)],
+                   reward=1.0 if i == rewarded else 0.0)
+        for i, c in enumerate(COMPLETIONS))
+
+
+@torch.no_grad()
+def _sequence_logprob(model, completion: list[int]) -> float:
+    ids = torch.tensor([PROMPT + completion])
+    logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+    targets = ids[0, 1:]
+    return logp[torch.arange(len(targets)), targets][len(PROMPT) - 1:].sum().item()
+
+
+def test_rewarded_completion_becomes_more_likely(tiny_model_dir):
+    torch.manual_seed(0)
+    model, tokenizer = load_policy(tiny_model_dir, LoraSettings(), device="cpu")
+    trainer = GRPOTrainer(model, tokenizer)
+    before = [_sequence_logprob(model, c) for c in COMPLETIONS]
+    for _ in range(5):
+        metrics = trainer.train_step([_group(rewarded=0)], TrainConfig(learning_rate=1e-2, loss="grpo"))
+        assert metrics["trained"] == 1.0 and math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    after = [_sequence_logprob(model, c) for c in COMPLETIONS]
+    assert after[0] > before[0] + 0.5, (before, after)
+    for i in range(1, 4):  # the unrewarded ones lose probability
+        assert after[i] < before[i]
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo", "gspo", "cispo"])
+def test_every_loss_moves_toward_the_reward(tiny_model_dir, loss):
+    torch.manual_seed(0)
+    model, tokenizer = load_policy(tiny_model_dir, LoraSettings(), device="cpu")
+    trainer = GRPOTrainer(model, tokenizer)
+    before = _sequence_logprob(model, COMPLETIONS[2])
+    for _ in range(3):
+        trainer.train_step([_group(rewarded=2)], TrainConfig(learning_rate=1e-2, loss=loss))
+    assert _sequence_logprob(model, COMPLETIONS[2]) > before
+
+
+def test_kl_penalty_runs_the_base_model(tiny_model_dir):
+    torch.manual_seed(0)
+    model, tokenizer = load_policy(tiny_model_dir, LoraSettings(), device="cpu")
+    trainer = GRPOTrainer(model, tokenizer)
+    trainer.train_step([_group()], TrainConfig(learning_rate=1e-2, beta=0.1))  # adapter = base: KL 0
+    metrics = trainer.train_step([_group()], TrainConfig(learning_rate=1e-2, beta=0.1))
+    assert metrics["kl"] > 0
+
+
+def test_zero_variance_groups_are_dropped_and_reported(tiny_model_dir):
+    model, tokenizer = load_policy(tiny_model_dir, LoraSettings(), device="cpu")
+    trainer = GRPOTrainer(model, tokenizer)
+    flat = TrajectoryGroup(t.model_copy(update={"reward": 0.5}) for t in _group())
+    with pytest.warns(ZeroVarianceGroupsWarning, match="1 of 2 group"):
+        metrics = trainer.train_step([flat, _group()], TrainConfig())
+    assert metrics["groups_dropped"] == 1 and metrics["groups_used"] == 1 and metrics["trained"] == 1
+    with pytest.warns(ZeroVarianceGroupsWarning):
+        metrics = trainer.train_step([flat], TrainConfig())
+    assert metrics["trained"] == 0  # nothing to learn: no update
+
+
+async def test_checkpoint_round_trip_and_resume(tiny_model_dir, tmp_path):
+    torch.manual_seed(0)
+    model = TrainableModel(name="rt", base_model=tiny_model_dir)
+    backend = LocalBackend(path=tmp_path, show_progress=False)
+    await model.register(backend)
+    for _ in range(2):
+        await model.train([_group()], config=TrainConfig(learning_rate=1e-2))
+    assert model.step == 2
+    model_dir = tmp_path / "default" / "models" / "rt"
+    assert sorted(p.name for p in (model_dir / "checkpoints").iterdir()) == ["0001", "0002"]
+    assert sorted(p.name for p in (model_dir / "trajectories").iterdir()) == ["0001.jsonl", "0002.jsonl"]
+    history = [json.loads(line) for line in (model_dir / "history.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in history] == [1, 2]
+    trained = backend._slot(model).trainer.model
+    ids = torch.tensor([PROMPT + COMPLETIONS[0]])
+    with torch.no_grad():
+        expected = trained(input_ids=ids).logits
+    await backend.aclose()
+
+    # A half-written checkpoint (no marker) must be ignored with a warning, not loaded.
+    (model_dir / "checkpoints" / "0003").mkdir()
+    again = TrainableModel(name="rt", base_model=tiny_model_dir)
+    backend = LocalBackend(path=tmp_path, show_progress=False)
+    with pytest.warns(UserWarning, match="incomplete checkpoint"):
+        await again.register(backend)
+    assert again.step == 2
+    reloaded = backend._slot(again).trainer
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.model(input_ids=ids).logits, expected, atol=0, rtol=0)
+    assert reloaded.optimizer is None and reloaded._pending_optimizer_state is not None  # AdamW state resumes
+    await again.train([_group()], config=TrainConfig(learning_rate=1e-2))
+    assert again.step == 3 and (model_dir / "checkpoints" / "0003" / "checkpoint.json").is_file()
+    await backend.aclose()
+
+
+async def test_bad_input_is_refused_and_nothing_on_disk_is_lost(tiny_model_dir, tmp_path):
+    model = TrainableModel(name="bad", base_model=tiny_model_dir)
+    async with LocalBackend(path=tmp_path, show_progress=False) as backend:
+        await model.register(backend)
+        await model.train([_group()], config=TrainConfig(learning_rate=1e-2))
+        checkpoint = tmp_path / "default" / "models" / "bad" / "checkpoints" / "0001"
+        files = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
+
+        with pytest.raises(TrajectoryError, match="group 0 is empty"):
+            await model.train([TrajectoryGroup([])])
+        no_assistant = TrajectoryGroup([Trajectory(id="lonely", messages=[{"role": "user", "content": "hi"}],
+                                                   reward=1.0), *_group()])
+        with pytest.raises(TrajectoryError, match="'lonely' has no assistant turn"):
+            await model.train([no_assistant])
+        assert model.step == 1
+        assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == files
+        # the refused groups were still written to disk before the step
+        assert len(list((checkpoint.parent.parent / "trajectories").iterdir())) == 3
+
+
+def test_nan_reward_and_mismatched_logprobs_name_the_field():
+    with pytest.raises(ValueError, match="'t-nan' has reward nan"):
+        Trajectory(id="t-nan", reward=float("nan"))
+    with pytest.raises(ValueError, match="logprobs has 1 entries but completion_token_ids has 2"):
+        CallRecord(prompt_token_ids=[1], completion_token_ids=[2, 3], logprobs=[-0.5])
+
+
+async def test_missing_base_model_path_names_it(tmp_path):
+    missing = tmp_path / "no-such-model"
+    model = TrainableModel(name="m", base_model=missing)
+    with pytest.raises(BaseModelNotFoundError, match="no-such-model"):
+        await model.register(LocalBackend(path=tmp_path))
+    assert not (tmp_path / "default").exists()
+
+
+async def test_lifecycle_errors(tiny_model_dir, tmp_path):
+    from art_core import LifecycleError
+
+    model = TrainableModel(name="life", base_model=tiny_model_dir)
+    with pytest.raises(LifecycleError, match="not registered"):
+        await model.train([_group()])
+    backend = LocalBackend(path=tmp_path, show_progress=False)
+    await model.register(backend)
+    with pytest.raises(LifecycleError, match="already registered"):
+        await model.register(backend)
+    await backend.aclose()
+    with pytest.raises(LifecycleError, match="closed"):
+        await model.train([_group()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(Exception, match="not allowed"):
+            TrainableModel(name="../escape")
