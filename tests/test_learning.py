@@ -1,7 +1,8 @@
-"""Learning on the embedded SmolLM2-135M: GRPO must raise held-out accuracy on the built-in task.
+"""Learning on the embedded SmolLM2-135M: GRPO must raise the held-out success rate on the built-in task.
 
-Slow (several minutes on 2 cores); CI runs it. The base model answers about a third of the held-out
-addition questions right (greedy); 10 GRPO steps must raise that measurably.
+Slow (several minutes on 2 cores); CI runs it. Sampling at temperature 0.7, the base model answers about
+a fifth of the held-out addition questions right (160 answers: 40 questions x 4); 10 GRPO steps must
+raise that success rate measurably: by at least 8 points, more than twice its standard error (~3 points).
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from art_core.demo import run_demo
 
 
 @pytest.mark.slow
-async def test_ten_grpo_steps_raise_held_out_accuracy(smollm2_dir, tmp_path):
+@pytest.mark.timeout(2400)  # ~4 min on a quiet 2-core machine; much longer when it is shared
+async def test_ten_grpo_steps_raise_held_out_success(smollm2_dir, tmp_path):
     result = await run_demo(steps=10, base_model=smollm2_dir, path=tmp_path, seed=0,
                             config=TrainConfig(learning_rate=1e-3))
-    print(f"held-out accuracy {result.accuracy_before:.3f} -> {result.accuracy_after:.3f}, "
+    print(f"held-out success {result.success_before:.3f} -> {result.success_after:.3f}, "
           f"train reward per step {[round(r, 3) for r in result.rewards]}, {result.seconds:.0f}s")
-    assert 0.10 <= result.accuracy_before <= 0.40  # the task is in the band where GRPO has signal
-    assert result.accuracy_after >= result.accuracy_before + 0.15
+    assert 0.10 <= result.success_before <= 0.40  # the task is in the band where GRPO has signal
+    assert result.success_after >= result.success_before + 0.08
+    assert sum(result.rewards[-3:]) > sum(result.rewards[:3])  # training reward rose too

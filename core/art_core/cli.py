@@ -21,7 +21,7 @@ def demo(
     base_model: str = typer.Option("smollm2-135m-instruct", help="Local model folder or registered name."),
     threads: int = typer.Option(0, help="torch threads (0: as many as cores)."),
 ) -> None:
-    """Train the embedded SmolLM2-135M to add small numbers, and show held-out accuracy before and after."""
+    """Train the embedded SmolLM2-135M to add small numbers; show the held-out success rate before and after."""
     import torch
 
     from .config import TrainConfig
@@ -30,7 +30,7 @@ def demo(
     torch.set_num_threads(threads or os.cpu_count() or 1)
     result = asyncio.run(run_demo(steps=steps, group_size=group_size, base_model=base_model, path=path,
                                   config=TrainConfig(learning_rate=learning_rate)))
-    if result.accuracy_after <= result.accuracy_before:
+    if result.success_after <= result.success_before:
         typer.secho("no improvement this run (sampling is random; try more --steps)", fg="yellow")
 
 

@@ -1,10 +1,14 @@
 """The built-in demo: GRPO teaches the embedded SmolLM2-135M to add small numbers.
 
-The base model answers "What is 7 + 19?" correctly about a third of the time (greedy), often wrapping the
-answer in a restated equation or an unfinished explanation. Each step samples 8 answers to each of a few
-training questions, rewards them (1 for the right sum, partial credit for a near miss, so that most
-groups have reward variance), and takes one GRPO step. Held-out questions, answered greedily before and
-after, show whether it learned.
+Sampling at temperature 0.7, the base model answers "What is 7 + 19? Answer with only the number."
+correctly about a fifth of the time, often wrapping the answer in an unfinished explanation or a wrong
+restated equation. Each step samples 8 answers to each of a few training questions, rewards them (1 for
+the right sum, partial credit for a near miss, so that most groups have reward variance), and takes one
+GRPO step. The success rate on held-out questions, before and after, shows whether it learned.
+
+The held-out metric is the policy's success rate when sampling (4 answers per question at temperature
+0.7), the quantity GRPO optimises. Greedy accuracy moves less in 10 steps: the 135M model's remaining
+mistakes are arithmetic ones, and what it learns first is to answer directly and consistently.
 
     art-core demo            # or: make demo
 """
@@ -63,27 +67,30 @@ def make_tasks(n: int, *, seed: int) -> list[AdditionTask]:
 
 @dataclass
 class DemoResult:
-    accuracy_before: float
-    accuracy_after: float
+    success_before: float
+    """Held-out success rate of the base model (sampled, temperature 0.7)."""
+    success_after: float
     rewards: list[float] = field(default_factory=list)
     """Mean training reward of each step."""
     seconds: float = 0.0
 
 
-async def held_out_accuracy(model: TrainableModel, tasks: list[AdditionTask], *, max_tokens: int) -> float:
-    """Share of tasks answered exactly right, greedily."""
+async def held_out_success(model: TrainableModel, tasks: list[AdditionTask], *, max_tokens: int,
+                           samples_per_task: int = 4, temperature: float = 0.7, seed: int = 0) -> float:
+    """Share of sampled answers that are exactly right, over ``samples_per_task`` answers per task."""
     correct = 0
-    for task in tasks:
-        (reply,) = await model.sample(task.messages(), n=1, max_tokens=max_tokens, temperature=0.0)
-        correct += addition_reward(task, reply.messages[-1].text()) == 1.0
-    return correct / len(tasks)
+    for k, task in enumerate(tasks):
+        replies = await model.sample(task.messages(), n=samples_per_task, max_tokens=max_tokens,
+                                     temperature=temperature, seed=seed + k)
+        correct += sum(addition_reward(task, r.messages[-1].text()) == 1.0 for r in replies)
+    return correct / (len(tasks) * samples_per_task)
 
 
 async def run_demo(*, steps: int = 10, tasks_per_step: int = 4, group_size: int = 8, held_out: int = 40,
                    max_tokens: int = 12, base_model: str | Path = EMBEDDED_MODEL, path: str | Path = ".art",
                    name: str | None = None, config: TrainConfig | None = None, seed: int = 0,
                    console: Console | None = None) -> DemoResult:
-    """Train the addition task for ``steps`` GRPO steps and measure held-out accuracy before and after.
+    """Train the addition task for ``steps`` GRPO steps and measure the held-out success rate before and after.
 
     Args:
         steps: GRPO steps.
@@ -94,20 +101,22 @@ async def run_demo(*, steps: int = 10, tasks_per_step: int = 4, group_size: int 
         base_model: local model folder or registered name.
         path: where checkpoints and trajectories go.
         name: the model's name; default: a fresh one per run, so a demo never resumes an old one.
-        config: GRPO settings; default: ``TrainConfig(learning_rate=1e-4)``.
+        config: GRPO settings; default: ``TrainConfig(learning_rate=1e-3)`` (a high rate, so that 10 steps
+            show an effect on this small model).
         seed: seeds the questions and the sampling.
         console: where to print (a rich Console).
     """
     console = console or Console()
-    config = config or TrainConfig(learning_rate=1e-4)
+    config = config or TrainConfig(learning_rate=1e-3)
     started = time.perf_counter()
     train_tasks = make_tasks(steps * tasks_per_step, seed=seed)
     eval_tasks = make_tasks(held_out, seed=seed + 10_000)
     model = TrainableModel(name=name or f"addition-{int(time.time())}", project="demo", base_model=base_model)
     async with LocalBackend(path=path, show_progress=False) as backend:
         await model.register(backend)
-        before = await held_out_accuracy(model, eval_tasks, max_tokens=max_tokens)
-        console.print(f"held-out accuracy before training: [bold]{before:.0%}[/] ({held_out} questions, greedy)")
+        before = await held_out_success(model, eval_tasks, max_tokens=max_tokens, seed=seed)
+        console.print(f"held-out success rate before training: [bold]{before:.1%}[/] "
+                      f"({held_out} questions x 4 answers, temperature 0.7)")
         table = Table("step", "reward mean", "groups used", "loss", "seconds")
         rewards = []
         for step in range(steps):
@@ -128,8 +137,8 @@ async def run_demo(*, steps: int = 10, tasks_per_step: int = 4, group_size: int 
             table.add_row(str(step + 1), f"{metrics['reward_mean']:.3f}",
                           f"{int(metrics['groups_used'])}/{len(groups)}", f"{metrics.get('loss', 0.0):+.4f}",
                           f"{time.perf_counter() - t0:.1f}")
-        after = await held_out_accuracy(model, eval_tasks, max_tokens=max_tokens)
+        after = await held_out_success(model, eval_tasks, max_tokens=max_tokens, seed=seed)
     console.print(table)
-    console.print(f"held-out accuracy: [bold]{before:.0%} -> {after:.0%}[/] after {steps} GRPO steps "
+    console.print(f"held-out success rate: [bold]{before:.1%} -> {after:.1%}[/] after {steps} GRPO steps "
                   f"(checkpoints in {Path(path) / 'demo' / 'models' / model.name})")
     return DemoResult(before, after, rewards, time.perf_counter() - started)

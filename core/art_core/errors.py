@@ -6,6 +6,7 @@
     ├── TrajectoryError          a trajectory or group cannot be trained on as given
     ├── TrainingError            training failed while running
     ├── CheckpointError          a checkpoint is missing, half-written or does not fit the model
+    ├── EngineError              an inference engine failed to start, answer or load an adapter
     └── LifecycleError           an object was used in the wrong state (register twice, use after close)
 
 Each message says what happened, the value involved, and how to fix it. Errors from libraries
@@ -19,6 +20,7 @@ __all__ = [
     "BaseModelNotFoundError",
     "CheckpointError",
     "ConfigError",
+    "EngineError",
     "LifecycleError",
     "TrainingError",
     "TrajectoryError",
@@ -47,6 +49,10 @@ class TrainingError(ArtError, RuntimeError):
 
 class CheckpointError(ArtError, RuntimeError):
     """A checkpoint is missing, half-written, or does not fit the model."""
+
+
+class EngineError(ArtError, RuntimeError):
+    """An inference engine failed to start, answer a request, or load an adapter (the message says which)."""
 
 
 class LifecycleError(ArtError, RuntimeError):

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..config import TrainConfig
+from ..engines.base import SamplingParams
 from ..errors import LifecycleError
 from ..types import CallRecord, Message, Trajectory, TrajectoryGroup, write_groups_jsonl
 
@@ -101,15 +102,15 @@ class LocalBackend:
             prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
                                                    return_dict=False)
             prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+            params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)
             with slot.lock:
-                completions = slot.engine.generate([prompt] * n, max_new_tokens=max_tokens,
-                                                   temperature=temperature, seed=seed)
-                step = slot.step
+                (completions,) = slot.engine.generate_batch([prompt], [params])
             return [Trajectory(
-                messages=[*(Message.model_validate(m) for m in messages), Message(role="assistant", content=c.text)],
+                messages=[*(Message.model_validate(m) for m in messages),
+                          Message(role="assistant", content=tokenizer.decode(c.token_ids, skip_special_tokens=True))],
                 tools=tools or [],
                 calls=[CallRecord(prompt_token_ids=prompt, completion_token_ids=c.token_ids, logprobs=c.logprobs,
-                                  adapter_step=step, finish_reason=c.finish_reason)],
+                                  adapter_step=c.adapter_step, finish_reason=c.finish_reason)],
             ) for c in completions]
 
         return await asyncio.to_thread(self._with_threads, run)
@@ -133,8 +134,9 @@ class LocalBackend:
         trainer = GRPOTrainer(policy, tokenizer)
         if latest:
             trainer.load_optimizer_state(latest.path)
-        return _Slot(trainer, TransformersEngine(policy, tokenizer), model_dir,
-                     latest.step if latest else 0, threading.Lock())
+        step = latest.step if latest else 0
+        return _Slot(trainer, TransformersEngine(policy, tokenizer, adapter_step=step), model_dir, step,
+                     threading.Lock())
 
     def _train_sync(self, slot: _Slot, groups: list[TrajectoryGroup],
                     config: TrainConfig) -> tuple[dict[str, float], int]:
@@ -150,6 +152,7 @@ class LocalBackend:
                 write_checkpoint(slot.model_dir, next_step, slot.trainer.save,
                                  metadata={"loss": config.loss, "reward_mean": metrics["reward_mean"]})
                 slot.step = next_step
+                slot.engine.mark_adapter_step(next_step)  # the engine shares the trained weights
             _append_history(slot.model_dir / "history.jsonl", {"step": slot.step, "time": time.time(), **metrics})
             return metrics, slot.step
 

@@ -1,91 +1,323 @@
-"""Sampling from the model being trained, in process, with transformers.
+"""The transformers engine: in-process sampling that batches concurrent requests.
 
-The engine shares the trainer's PEFT model object: after a training step the adapter it samples with is
-already the new one, with no reload. It reports exactly what the trainer needs: prompt token ids,
-completion token ids (up to and including the end-of-turn token) and the log-probability of each sampled
-token under the model's own distribution (raw logits, before temperature or top-p), which is what the
-trainer's forward pass computes, so truncated importance sampling compares like with like.
+Requests that arrive while a batch runs wait for the next one, and each batch is one decode loop over
+all its rows: one prefill, then one forward step per token for every row together. Each row keeps its
+own temperature, top-p, seed, stop strings and token limit, so requests with different settings share a
+batch (``model.generate`` takes one setting for the whole batch, which would split them).
+
+What it reports is what the trainer needs: completion ids up to and including the stop token, and the
+log-probability of each sampled token under the model's raw distribution (before temperature and top-p),
+which is what the trainer's forward pass computes.
+
+When the engine shares its PEFT model with a ``GRPOTrainer`` (``LocalBackend``), a training step
+updates the served weights in place: ``mark_adapter_step`` then records the new step, with no reload.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-__all__ = ["Completion", "TransformersEngine"]
+from ..errors import EngineError
+from .base import EngineOutput, SamplingParams, check_adapter_path
+
+__all__ = ["TransformersEngine"]
 
 
-@dataclass(frozen=True)
-class Completion:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: Literal["stop", "length"]
-    text: str
+@dataclass
+class _Row:
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[dict[int, float]] = field(default_factory=list)
+    finish: Literal["stop", "length"] | None = None
+
+
+@dataclass
+class _Pending:
+    prompt: list[int]
+    params: SamplingParams
+    future: asyncio.Future[list[EngineOutput]]
+    queued_at: float
 
 
 class TransformersEngine:
-    """Batched sampling with ``model.generate``.
+    """Batched sampling from a (PEFT-wrapped) causal LM, in this process.
 
     Args:
-        model: a causal LM (PEFT-wrapped or not).
-        tokenizer: its tokenizer.
+        model: the causal LM; a ``PeftModel`` when adapters are served.
+        tokenizer: its tokenizer, with the chat template.
+        max_batch_rows: most sequences decoded together (a request with n=8 takes 8 rows).
+        adapter_step: the checkpoint step the model's weights correspond to.
     """
 
-    def __init__(self, model: Any, tokenizer: Any) -> None:
+    def __init__(self, model: Any, tokenizer: Any, *, max_batch_rows: int = 64, adapter_step: int = 0) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        eos = model.generation_config.eos_token_id if model.generation_config else None
+        self.max_batch_rows = max_batch_rows
+        self._adapter_step = adapter_step
+        eos = getattr(model.generation_config, "eos_token_id", None) if getattr(model, "generation_config", None) else None
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.stop_ids: set[int] = set(eos if isinstance(eos, list) else [eos])
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self.stop_ids))
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.stop_ids)
+        self._queue: list[_Pending] = []
+        self._wakeup: asyncio.Event | None = None
+        self._worker: asyncio.Task[None] | None = None
+        self._serving: asyncio.Event | None = None  # cleared while paused
+        self._idle: asyncio.Event | None = None  # set when no batch is running
+        self._closed = False
+        self.stats = {"batches": 0, "rows": 0, "tokens": 0}
+        """Counters since start: decode loops run, sequences decoded, tokens sampled."""
+
+    @classmethod
+    async def from_pretrained(cls, model_dir: str | Path, *, adapter_dir: Path | None = None, adapter_step: int = 0,
+                              device: str | None = None, **kwargs: Any) -> TransformersEngine:
+        """Load a model folder (and optionally a PEFT adapter) and serve it."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        def load() -> TransformersEngine:
+            dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(dev).eval()
+            if adapter_dir is not None:
+                from peft import PeftModel
+
+                model = PeftModel.from_pretrained(model, check_adapter_path(Path(adapter_dir)),
+                                                  adapter_name=f"step-{adapter_step}")
+            return cls(model, tokenizer, adapter_step=adapter_step if adapter_dir is not None else 0, **kwargs)
+
+        return await asyncio.to_thread(load)
+
+    # -- the Engine protocol --------------------------------------------------------------------------
+
+    @property
+    def adapter_step(self) -> int:
+        return self._adapter_step
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[EngineOutput]:
+        """Sample ``params.n`` completions; waits while the engine is paused."""
+        self._ensure_worker()
+        if not prompt_token_ids:
+            raise EngineError("the prompt is empty: render the chat template before calling the engine")
+        future: asyncio.Future[list[EngineOutput]] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Pending(list(prompt_token_ids), params, future, time.perf_counter()))
+        assert self._wakeup is not None
+        self._wakeup.set()
+        return await future
+
+    async def load_adapter(self, path: Path, step: int) -> None:
+        """Load a PEFT adapter from ``path`` and serve it from the next batch on, without reloading the base."""
+        check_adapter_path(Path(path))
+        await self._wait_idle()
+
+        def swap() -> None:
+            from peft import PeftModel
+
+            name = f"step-{step}"
+            if isinstance(self.model, PeftModel):
+                previous = self.model.active_adapter
+                self.model.load_adapter(str(path), adapter_name=name)
+                self.model.set_adapter(name)
+                if previous != name and previous in self.model.peft_config:
+                    self.model.delete_adapter(previous)
+            else:
+                self.model = PeftModel.from_pretrained(self.model, str(path), adapter_name=name)
+            self.model.eval()
+
+        try:
+            await asyncio.to_thread(swap)
+        except Exception as exc:
+            raise EngineError(f"could not load the adapter in {path} as step {step}: {exc}") from exc
+        self._adapter_step = step
+
+    def mark_adapter_step(self, step: int) -> None:
+        """Record that the shared weights now are checkpoint ``step`` (in-process training updated them)."""
+        self._adapter_step = step
+
+    async def pause(self) -> None:
+        """Let the running batch finish; new requests wait until ``resume()``."""
+        self._ensure_worker()
+        assert self._serving is not None
+        self._serving.clear()
+        await self._wait_idle()
+
+    async def resume(self) -> None:
+        self._ensure_worker()
+        assert self._serving is not None and self._wakeup is not None
+        self._serving.set()
+        self._wakeup.set()
+
+    async def health(self) -> dict[str, Any]:
+        return {"engine": "transformers", "adapter_step": self._adapter_step, "queued": len(self._queue), **self.stats,
+                "paused": bool(self._serving and not self._serving.is_set()), "closed": self._closed}
+
+    async def aclose(self) -> None:
+        self._closed = True
+        if self._worker is not None:
+            self._worker.cancel()
+            try:
+                await self._worker
+            except asyncio.CancelledError:
+                pass
+            self._worker = None
+        for pending in self._queue:
+            if not pending.future.done():
+                pending.future.set_exception(EngineError("the engine was closed before this request ran"))
+        self._queue.clear()
+
+    # -- batching -------------------------------------------------------------------------------------
+
+    def _ensure_worker(self) -> None:
+        if self._closed:
+            raise EngineError("this engine is closed")
+        if self._worker is None:
+            self._wakeup, self._serving, self._idle = asyncio.Event(), asyncio.Event(), asyncio.Event()
+            self._serving.set()
+            self._idle.set()
+            self._worker = asyncio.get_running_loop().create_task(self._run(), name="transformers-engine")
+
+    async def _wait_idle(self) -> None:
+        if self._idle is not None:
+            await self._idle.wait()
+
+    async def _run(self) -> None:
+        assert self._wakeup is not None and self._serving is not None and self._idle is not None
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            await self._serving.wait()
+            while self._queue and self._serving.is_set():
+                batch, rows = [], 0
+                while self._queue and (not batch or rows + self._queue[0].params.n <= self.max_batch_rows):
+                    pending = self._queue.pop(0)
+                    batch.append(pending)
+                    rows += pending.params.n
+                self._idle.clear()
+                started = time.perf_counter()
+                try:
+                    results = await asyncio.to_thread(
+                        self.generate_batch, [p.prompt for p in batch], [p.params for p in batch])
+                except Exception as exc:  # one bad batch fails its requests, not the engine
+                    error = exc if isinstance(exc, EngineError) else EngineError(f"generation failed: {exc}")
+                    for p in batch:
+                        if not p.future.done():
+                            p.future.set_exception(error)
+                    continue
+                finally:
+                    self._idle.set()
+                finished = time.perf_counter()
+                for p, outputs in zip(batch, results):
+                    timed = [_with_timings(o, queue=started - p.queued_at, generate=finished - started)
+                             for o in outputs]
+                    if not p.future.done():  # the caller may have gone away
+                        p.future.set_result(timed)
+
+    # -- the decode loop ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: int | None = None) -> list[Completion]:
-        """Sample one completion per prompt, all prompts in one batch.
+    def generate_batch(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> list[list[EngineOutput]]:
+        """Sample completions for several prompts in one decode loop (blocking).
 
-        Args:
-            prompts: token ids of each prompt (already rendered through the chat template).
-            max_new_tokens: most tokens sampled per completion.
-            temperature: 0 means greedy.
-            top_p: nucleus sampling mass.
-            seed: seeds torch's generator for this call.
+        Returns:
+            For each prompt, its ``params.n`` outputs.
         """
-        device = next(self.model.parameters()).device
-        width = max(len(p) for p in prompts)
-        # Left padding: every prompt ends at the same position, where generation starts.
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            attention[i, width - len(p):] = 1
-        if seed is not None:
-            torch.manual_seed(seed)
-        was_training = self.model.training
-        self.model.eval()
+        rows: list[_Row] = []
+        for prompt, p in zip(prompts, params):
+            for k in range(p.n):
+                generator = None
+                if p.seed is not None:
+                    generator = torch.Generator().manual_seed(p.seed * 1_000_003 + k)
+                rows.append(_Row(prompt, p, generator))
+        step = self._adapter_step
+        self._decode(rows)
+        self.stats["batches"] += 1
+        self.stats["rows"] += len(rows)
+        self.stats["tokens"] += sum(len(r.tokens) for r in rows)
+        out, i = [], 0
+        for p in params:
+            out.append([EngineOutput(r.tokens, r.logprobs, r.finish or "length",
+                                     r.top if p.top_logprobs else None, step) for r in rows[i:i + p.n]])
+            i += p.n
+        return out
+
+    def _decode(self, rows: list[_Row]) -> None:
+        model = self.model
+        device = next(model.parameters()).device
+        was_training = model.training
+        model.eval()
         try:
-            out = self.model.generate(
-                input_ids=ids.to(device), attention_mask=attention.to(device), max_new_tokens=max_new_tokens,
-                do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
-                top_p=top_p if temperature > 0 else None, top_k=None,
-                eos_token_id=sorted(self.stop_ids), pad_token_id=self.pad_id,
-                output_logits=True, return_dict_in_generate=True,
-            )
-        finally:
-            self.model.train(was_training)
-        new = out.sequences[:, width:]  # [N, T]
-        logits = torch.stack(out.logits, dim=1).float()  # [N, T, V] raw, before temperature/top-p
-        logprobs = (logits.gather(-1, new.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)).cpu()
-        completions = []
-        for i in range(len(prompts)):
-            tokens = new[i].tolist()
-            finish: Literal["stop", "length"] = "length"
-            for j, tok in enumerate(tokens):
-                if tok in self.stop_ids:
-                    tokens, finish = tokens[: j + 1], "stop"
+            width = max(len(r.prompt) for r in rows)
+            ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+            attention = torch.zeros((len(rows), width), dtype=torch.long)
+            for i, r in enumerate(rows):  # left padding: every prompt ends where decoding starts
+                ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
+                attention[i, width - len(r.prompt):] = 1
+            ids, attention = ids.to(device), attention.to(device)
+            positions = (attention.cumsum(-1) - 1).clamp(min=0)  # [R, W]: pads must not shift positions
+            out = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                        logits_to_keep=1)
+            cache, logits = out.past_key_values, out.logits[:, -1].float()  # [R, V]
+            longest = max(r.params.max_tokens for r in rows)
+            for _ in range(longest):
+                next_ids = self._sample(rows, logits)  # [R]
+                if all(r.finish for r in rows):
                     break
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            completions.append(Completion(tokens, logprobs[i, : len(tokens)].tolist(), finish, text))
-        return completions
+                attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+                positions = positions[:, -1:] + 1
+                out = model(input_ids=next_ids[:, None].to(device), attention_mask=attention,
+                            position_ids=positions, past_key_values=cache, use_cache=True)
+                cache, logits = out.past_key_values, out.logits[:, -1].float()
+        finally:
+            model.train(was_training)
+
+    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
+        logprobs = torch.log_softmax(logits, dim=-1).cpu()  # [R, V] raw: what the trainer computes
+        chosen = torch.full((len(rows),), self.pad_id, dtype=torch.long)
+        for i, row in enumerate(rows):
+            if row.finish:
+                continue  # finished rows ride along (static batch) with a pad token
+            token = _choose(logprobs[i], row.params, row.generator)
+            chosen[i] = token
+            row.tokens.append(token)
+            row.logprobs.append(logprobs[i, token].item())
+            if row.params.top_logprobs:
+                values, indices = logprobs[i].topk(row.params.top_logprobs)
+                row.top.append(dict(zip(indices.tolist(), values.tolist())))
+            if token in self.stop_ids or self._hit_stop_string(row):
+                row.finish = "stop"
+            elif len(row.tokens) >= row.params.max_tokens:
+                row.finish = "length"
+        return chosen
+
+    def _hit_stop_string(self, row: _Row) -> bool:
+        if not row.params.stop:
+            return False
+        # Decode only the tail: a stop string ends within the last few tokens.
+        tail = self.tokenizer.decode(row.tokens[-16:], skip_special_tokens=True)
+        return any(s in tail for s in row.params.stop)
+
+
+def _choose(logprobs: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    if params.temperature <= 0:
+        return int(logprobs.argmax())
+    scaled = torch.softmax(logprobs / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = scaled.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < params.top_p  # smallest set whose mass reaches top_p
+        scaled = torch.zeros_like(scaled).scatter(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(scaled, 1, generator=generator))
+
+
+def _with_timings(output: EngineOutput, **timings: float) -> EngineOutput:
+    from dataclasses import replace
+
+    return replace(output, timings={**output.timings, **timings})

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..config import LoraSettings, TrainConfig
-from ..errors import CheckpointError, TrainingError, TrajectoryError
+from ..errors import CheckpointError, ConfigError, TrainingError, TrajectoryError
 from ..types import TrajectoryGroup
 from .advantages import compute_group_advantages
 from .batching import plan_micro_batches
@@ -63,8 +63,6 @@ def _present_modules(model: torch.nn.Module, wanted: list[str]) -> list[str]:
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     present = [m for m in wanted if m in names]
     if not present:
-        from ..errors import ConfigError
-
         raise ConfigError(f"none of the LoRA target modules {wanted} exist in this model; "
                           f"its linear layers include {sorted(n for n in names if n.endswith('proj'))}")
     return present
@@ -85,6 +83,8 @@ class GRPOTrainer:
         if not self.params:
             raise TrainingError("the model has no trainable parameter: was the adapter loaded with is_trainable=True?")
         self.optimizer: torch.optim.Optimizer | None = None
+        # AdamW state read from a checkpoint; applied when the optimizer is built at the first step.
+        self._pending_optimizer_state: dict[str, Any] | None = None
 
     # -- the step -------------------------------------------------------------------------------------
 
@@ -264,9 +264,8 @@ class GRPOTrainer:
     def _optimizer(self, config: TrainConfig) -> torch.optim.Optimizer:
         if self.optimizer is None:
             self.optimizer = torch.optim.AdamW(self.params, lr=config.learning_rate, weight_decay=config.weight_decay)
-            pending = getattr(self, "_pending_optimizer_state", None)
-            if pending is not None:
-                self.optimizer.load_state_dict(pending)
+            if self._pending_optimizer_state is not None:
+                self.optimizer.load_state_dict(self._pending_optimizer_state)
                 self._pending_optimizer_state = None
         for group in self.optimizer.param_groups:  # the config may change lr between steps
             group["lr"] = config.learning_rate

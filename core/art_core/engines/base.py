@@ -1,0 +1,94 @@
+"""The engine contract: what the gateway asks of an inference engine.
+
+An engine turns prompt token ids into sampled completions, token-exact, and serves the LoRA adapter of
+the latest checkpoint. The gateway renders chat templates and parses tool calls; the engine sees only
+tokens. Two implementations: ``engines/transformers.py`` (in process, CPU or GPU) and ``engines/vllm.py``
+(a ``vllm serve`` subprocess). A test engine can be any object with these methods (it is a Protocol).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol, runtime_checkable
+
+__all__ = ["Engine", "EngineOutput", "SamplingParams"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. Mirrors the OpenAI fields the gateway accepts."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    """Strings that end the completion; the stop string itself is not returned (OpenAI's behaviour)."""
+    seed: int | None = None
+    n: int = 1
+    """Completions for this prompt."""
+    top_logprobs: int = 0
+    """Alternatives to report per position (0: only the sampled token's logprob)."""
+    json_schema: dict[str, Any] | None = None
+    """Constrain output to this JSON schema, where the engine supports it."""
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """One sampled completion, token-exact."""
+
+    token_ids: list[int]
+    """Sampled ids, including the stop token when generation ended on one."""
+    logprobs: list[float]
+    """The model's log-probability of each sampled token (raw distribution, before temperature/top-p)."""
+    finish_reason: Literal["stop", "length"]
+    top_logprobs: list[dict[int, float]] | None = None
+    """Per position, the most likely alternatives (token id -> logprob), when asked for."""
+    adapter_step: int = 0
+    """Checkpoint step of the adapter that produced it (0: the base model)."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds spent queued and generating."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the gateway needs from an inference engine."""
+
+    tokenizer: Any
+    """A Hugging Face tokenizer with the chat template the model was trained with."""
+
+    @property
+    def adapter_step(self) -> int:
+        """Checkpoint step being served now (0: the base model)."""
+        ...
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[EngineOutput]:
+        """Sample ``params.n`` completions of one prompt. Concurrent calls may be batched together."""
+        ...
+
+    async def load_adapter(self, path: Path, step: int) -> None:
+        """Serve the PEFT adapter in ``path`` as checkpoint ``step`` from the next request on."""
+        ...
+
+    async def pause(self) -> None:
+        """Finish in-flight requests, then hold new ones (they wait, they do not fail) until resume()."""
+        ...
+
+    async def resume(self) -> None:
+        ...
+
+    async def health(self) -> dict[str, Any]:
+        ...
+
+    async def aclose(self) -> None:
+        ...
+
+
+def check_adapter_path(path: Path) -> Path:
+    """An adapter folder must exist and hold a PEFT config; say which when it does not."""
+    from ..errors import CheckpointError
+
+    if not (path / "adapter_config.json").is_file():
+        raise CheckpointError(f"{path} is not a PEFT adapter folder (no adapter_config.json)")
+    return path

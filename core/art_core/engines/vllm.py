@@ -1,0 +1,475 @@
+"""Sampling with vLLM, served as an OpenAI-compatible subprocess from its own virtualenv.
+
+vLLM pins its own torch and transformers, so it does not live in our environment: ``VLLMEngine.start``
+launches ``python -m vllm.entrypoints.openai.api_server`` with the vLLM venv's interpreter (built by
+``scripts/setup_vllm_cpu.sh`` on CPU, or any venv with ``pip install art-core[vllm]`` on GPU) and talks to
+it over loopback HTTP. Nothing here imports vllm.
+
+Token-exact: prompts go in as token ids (``/v1/completions`` accepts a list of ids), and each choice comes
+back with its sampled token ids (``return_token_ids``) and the raw log-probability of each one
+(``--logprobs-mode raw_logprobs``: the model's distribution before temperature and top-p, the same quantity
+the trainer's forward pass computes). Token ids include the end-of-turn token when generation stopped on
+it, and every token sampled up to the one that completed a stop string.
+
+Adapters are loaded at runtime (``/v1/load_lora_adapter``, needs ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) and
+served under the name ``step-{step}``; requests name the current adapter as their ``model``.
+
+Pause has two levels:
+
+- always: new requests wait on an ``asyncio.Event`` (they do not fail) and ``pause()`` returns once the
+  in-flight ones have finished. vLLM keeps its weights and KV cache.
+- with ``sleep_mode=True`` (GPU only: vLLM's CPU build has no sleep mode), ``pause()`` then also calls
+  ``/sleep?level=1`` to free GPU memory for the trainer, and ``resume()`` calls ``/wake_up`` first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from ..errors import ConfigError, EngineError, LifecycleError
+from .base import EngineOutput, SamplingParams, check_adapter_path
+
+__all__ = ["VLLMEngine", "find_vllm_python"]
+
+BASE_MODEL_NAME = "base"
+"""The name the base model is served under (``--served-model-name``); adapters are ``step-{step}``."""
+
+SETUP_HINT = "build it with scripts/setup_vllm_cpu.sh (CPU) or `pip install art-core[vllm]` in a venv of its own"
+
+
+def find_vllm_python(python: str | os.PathLike[str] = "vllm") -> Path:
+    """The interpreter of the vLLM virtualenv.
+
+    Args:
+        python: a python executable, a venv folder, or ``"vllm"`` (default) for the venv named by
+            ``$ART_VLLM_VENV``, else ``./.venv-vllm``.
+
+    Raises:
+        ConfigError: no such interpreter.
+    """
+    if str(python) == "vllm":
+        python = os.environ.get("ART_VLLM_VENV") or Path.cwd() / ".venv-vllm"
+    path = Path(python)
+    if path.is_dir():
+        path = path / "bin" / "python"
+    if not path.is_file():
+        raise ConfigError(f"no vLLM python at {path}: {SETUP_HINT}, or pass python=/path/to/venv/bin/python")
+    return path
+
+
+class _State(enum.Enum):
+    RUNNING = "running"
+    CLOSED = "closed"
+
+
+class VLLMEngine:
+    """An ``Engine`` backed by a ``vllm`` OpenAI server subprocess. Create it with ``await VLLMEngine.start(...)``.
+
+    Use it as ``async with await VLLMEngine.start(model_dir=...) as engine:`` or call ``aclose()``; it stops
+    only the process group it started.
+    """
+
+    def __init__(self, *, process: subprocess.Popen[bytes], port: int, log_path: Path, tokenizer: Any,
+                 sleep_mode: bool, request_timeout: float) -> None:
+        self.tokenizer = tokenizer
+        self.process = process
+        self.port = port
+        self.log_path = log_path
+        self.sleep_mode = sleep_mode
+        self._client = httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}",
+            timeout=httpx.Timeout(request_timeout, connect=10.0),
+            trust_env=False,  # loopback: never go through a proxy from the environment
+        )
+        self._state = _State.RUNNING
+        self._adapter_step = 0
+        self._model_name = BASE_MODEL_NAME
+        # Pause: generate() waits while _open is clear; _idle is set whenever nothing is in flight.
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._sleeping = False
+        # Requests in flight per served model name, so an old adapter is unloaded only once they finish.
+        self._in_flight: dict[str, int] = {}
+        self._retired: set[str] = set()
+
+    # ----------------------------------------------------------------------------------------- start / stop
+
+    @classmethod
+    async def start(
+        cls,
+        *,
+        model_dir: Path,
+        python: str | os.PathLike[str] = "vllm",
+        port: int | None = None,
+        max_lora_rank: int = 8,
+        extra_args: Sequence[str] = (),
+        startup_timeout: float = 600,
+        tokenizer: Any = None,
+        sleep_mode: bool = False,
+        log_path: Path | None = None,
+        request_timeout: float = 600,
+    ) -> VLLMEngine:
+        """Launch the server, wait until ``/health`` answers, and return the engine.
+
+        Args:
+            model_dir: local Hugging Face folder of the base model.
+            python: the vLLM venv's interpreter (see ``find_vllm_python``; default: ``$ART_VLLM_VENV`` or
+                ``./.venv-vllm``).
+            port: loopback port to serve on (default: a free one).
+            max_lora_rank: largest LoRA rank that will be loaded (vLLM sizes its buffers for it).
+            extra_args: more ``vllm serve`` arguments, appended last (so they override ours).
+            startup_timeout: seconds to wait for ``/health`` (startup takes ~2 min on 2 CPU cores).
+            tokenizer: the model's tokenizer (default: loaded from ``model_dir`` with transformers).
+            sleep_mode: start with ``--enable-sleep-mode`` so ``pause()`` frees accelerator memory (GPU only).
+            log_path: where the server's stdout and stderr go (default: a new temp file).
+            request_timeout: seconds one HTTP request to the server may take.
+
+        Raises:
+            ConfigError: ``model_dir`` or the vLLM python is missing.
+            EngineError: the server exited or did not become healthy in time (the message holds the
+                last 40 lines of its log).
+        """
+        model_dir = Path(model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise ConfigError(f"{model_dir} is not a Hugging Face model folder (no config.json)")
+        interpreter = find_vllm_python(python)
+        port = port or _free_port()
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"vllm-{port}-", suffix=".log")
+            os.close(fd)
+            log_path = Path(name)
+        if tokenizer is None:
+            from transformers import AutoTokenizer  # heavy: only when the caller did not bring one
+
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+        cmd = [
+            str(interpreter), "-m", "vllm.entrypoints.openai.api_server",  # the `vllm` console script crashed on CPU
+            "--model", str(model_dir),
+            "--served-model-name", BASE_MODEL_NAME,
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            "--enable-lora",
+            "--max-lora-rank", str(max_lora_rank),
+            "--max-loras", "2",  # the adapter being served and the one replacing it
+            "--logprobs-mode", "raw_logprobs",  # before temperature/top-p: what the trainer recomputes
+            "--generation-config", "vllm",  # ignore the model's generation_config.json: sample exactly as asked
+            "--max-model-len", "2048",  # bounds the KV cache per sequence; enough for agent turns on CPU
+            "--max-logprobs", "20",  # OpenAI's top_logprobs maximum
+            "--disable-uvicorn-access-log",
+        ]
+        if sleep_mode:
+            cmd.append("--enable-sleep-mode")
+        cmd += list(extra_args)
+        env = {
+            **os.environ,
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",  # enables /v1/load_lora_adapter
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),  # GiB; CPU build only
+            "HF_HUB_OFFLINE": "1",  # the model is local; never reach for the hub
+            "TRANSFORMERS_OFFLINE": "1",
+        }
+        if sleep_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /sleep, /wake_up and /is_sleeping
+        # Our own venv's site-packages must not leak into vLLM's interpreter.
+        env.pop("PYTHONPATH", None)
+        env.pop("VIRTUAL_ENV", None)
+
+        with open(log_path, "ab") as log:
+            log.write(f"$ {' '.join(cmd)}\n".encode())
+            log.flush()
+            # Own process group, so aclose() can stop vLLM's engine-core children with it, and nothing else.
+            process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       env=env, start_new_session=True)
+        engine = cls(process=process, port=port, log_path=log_path, tokenizer=tokenizer, sleep_mode=sleep_mode,
+                     request_timeout=request_timeout)
+        try:
+            await engine._wait_healthy(startup_timeout)
+        except BaseException:
+            await engine.aclose()
+            raise
+        return engine
+
+    async def _wait_healthy(self, timeout: float) -> None:
+        started = time.monotonic()
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise EngineError(f"vLLM server exited with code {code} during startup; "
+                                  f"last lines of {self.log_path}:\n{self._log_tail()}")
+            with contextlib.suppress(httpx.TransportError):
+                if (await self._client.get("/health", timeout=5.0)).status_code == 200:
+                    return
+            if time.monotonic() - started > timeout:
+                raise EngineError(f"vLLM server (pid {self.process.pid}) not healthy after {timeout:.0f} s; raise "
+                                  f"startup_timeout if the machine is busy. Last lines of {self.log_path}:\n"
+                                  f"{self._log_tail()}")
+            await asyncio.sleep(1.0)
+
+    def _log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError as exc:
+            return f"(log unreadable: {exc})"
+
+    async def aclose(self) -> None:
+        """Stop the server: SIGTERM to its process group, then SIGKILL after 30 s. Idempotent."""
+        if self._state is _State.CLOSED:
+            return
+        self._state = _State.CLOSED
+        await self._client.aclose()
+        if self.process.poll() is None:
+            _signal_group(self.process, signal.SIGTERM)
+            deadline = time.monotonic() + 30.0
+            while self.process.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+        # Also after the leader exited: vLLM's engine-core children share its group and may linger.
+        _signal_group(self.process, signal.SIGKILL)
+        await asyncio.to_thread(self.process.wait)
+
+    async def __aenter__(self) -> VLLMEngine:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def _check_open(self, action: str) -> None:
+        if self._state is _State.CLOSED:
+            raise LifecycleError(f"cannot {action}: this VLLMEngine was closed; start a new one")
+
+    # ----------------------------------------------------------------------------------------- the Engine API
+
+    @property
+    def adapter_step(self) -> int:
+        return self._adapter_step
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[EngineOutput]:
+        """Sample ``params.n`` completions of one prompt (see ``Engine.generate``).
+
+        Raises:
+            EngineError: the server refused the request or did not answer.
+            LifecycleError: the engine was closed.
+        """
+        self._check_open("generate")
+        queued = time.monotonic()
+        while not self._open.is_set():  # paused: wait, do not fail (re-check: pause() may follow resume())
+            await self._open.wait()
+        self._check_open("generate")
+        # From here to the request, no await: pause() sees this request as in flight.
+        name, step = self._model_name, self._adapter_step
+        self._in_flight[name] = self._in_flight.get(name, 0) + 1
+        self._idle.clear()
+        started = time.monotonic()
+        try:
+            body = await self._post("/v1/completions", _completion_request(name, prompt_token_ids, params))
+        finally:
+            await self._finish_request(name)
+        timings = {"queued": started - queued, "generate": time.monotonic() - started}
+        return [_parse_choice(choice, params, step, timings) for choice in sorted(body["choices"],
+                                                                                  key=lambda c: c["index"])]
+
+    async def _finish_request(self, name: str) -> None:
+        self._in_flight[name] -= 1
+        if self._in_flight[name] == 0:
+            del self._in_flight[name]
+            if name in self._retired:
+                self._retired.discard(name)
+                await self._unload(name)
+        if not self._in_flight:
+            self._idle.set()
+
+    async def load_adapter(self, path: Path, step: int) -> None:
+        """Serve the PEFT adapter in ``path`` as ``step-{step}`` from the next request on.
+
+        The previous adapter is unloaded once its in-flight requests finish.
+
+        Raises:
+            CheckpointError: ``path`` is not a PEFT adapter folder.
+            EngineError: vLLM refused the adapter (bad weights, rank above ``max_lora_rank``, ...) or does
+                not list it afterwards. The engine keeps serving the previous adapter.
+        """
+        self._check_open("load an adapter")
+        path = check_adapter_path(Path(path)).resolve()
+        name = f"step-{step}"
+        previous = self._model_name
+        if name == previous or name in self._retired:  # reloading a step: vLLM refuses a name twice
+            self._retired.discard(name)
+            await self._unload(name)
+        try:
+            await self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        except EngineError as exc:
+            raise EngineError(f"vLLM could not load adapter {path} as {name}; still serving {previous}: {exc}") from exc
+        served = [m["id"] for m in (await self._get("/v1/models"))["data"]]
+        if name not in served:
+            raise EngineError(f"vLLM accepted adapter {path} but does not list {name} in /v1/models (it lists "
+                              f"{served}); still serving {previous}")
+        self._model_name, self._adapter_step = name, step
+        if previous != BASE_MODEL_NAME and previous != name:
+            if self._in_flight.get(previous):
+                self._retired.add(previous)
+            else:
+                await self._unload(previous)
+
+    async def _unload(self, name: str) -> None:
+        with contextlib.suppress(EngineError):  # not loaded (e.g. a failed earlier load): nothing to free
+            await self._post("/v1/unload_lora_adapter", {"lora_name": name})
+
+    async def pause(self) -> None:
+        """Hold new requests, wait for in-flight ones; with ``sleep_mode`` also free accelerator memory."""
+        self._check_open("pause")
+        self._open.clear()
+        await self._idle.wait()
+        if self.sleep_mode and not self._sleeping:
+            await self._post("/sleep", None, params={"level": "1"})
+            self._sleeping = True
+
+    async def resume(self) -> None:
+        """Let held and new requests through (after ``/wake_up`` when asleep)."""
+        self._check_open("resume")
+        if self._sleeping:
+            await self._post("/wake_up", None)
+            self._sleeping = False
+        self._open.set()
+
+    async def health(self) -> dict[str, Any]:
+        """``pid``, ``port``, ``adapter_step``, ``alive`` (process running and ``/health`` answering), and more."""
+        alive = False
+        if self._state is _State.RUNNING and self.process.poll() is None:
+            with contextlib.suppress(httpx.HTTPError):
+                alive = (await self._client.get("/health", timeout=5.0)).status_code == 200
+        return {
+            "pid": self.process.pid,
+            "port": self.port,
+            "adapter_step": self._adapter_step,
+            "model": self._model_name,
+            "alive": alive,
+            "paused": not self._open.is_set(),
+            "in_flight": sum(self._in_flight.values()),
+            "log_path": str(self.log_path),
+        }
+
+    # ----------------------------------------------------------------------------------------- HTTP
+
+    async def _get(self, url: str) -> Any:
+        return await self._request("GET", url)
+
+    async def _post(self, url: str, payload: dict[str, Any] | None, **kwargs: Any) -> Any:
+        return await self._request("POST", url, json=payload, **kwargs)
+
+    async def _request(self, method: str, url: str, **kwargs: Any) -> Any:
+        """One request to the server; every failure becomes an ``EngineError`` with the cause kept."""
+        try:
+            response = await self._client.request(method, url, **kwargs)
+        except httpx.TimeoutException as exc:
+            raise EngineError(f"vLLM server (pid {self.process.pid}) did not answer {method} {url} in time "
+                              f"({exc!r}); raise request_timeout or ask for fewer tokens") from exc
+        except httpx.TransportError as exc:
+            state = "running" if self.process.poll() is None else f"exited with {self.process.returncode}"
+            raise EngineError(f"vLLM server (pid {self.process.pid}, {state}) unreachable for {method} {url}: "
+                              f"{exc!r}; last lines of {self.log_path}:\n{self._log_tail(10)}") from exc
+        if response.is_error:
+            raise EngineError(f"vLLM answered {method} {url} with {response.status_code}: {_error_message(response)}")
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except json.JSONDecodeError:
+            return response.text
+
+
+# --------------------------------------------------------------------------------------------- request / reply
+
+
+def _completion_request(model: str, prompt_token_ids: list[int], params: SamplingParams) -> dict[str, Any]:
+    """The ``/v1/completions`` body for one prompt, asking for everything a token-exact record needs."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": list(prompt_token_ids),  # a list of ints is a token-id prompt: no re-tokenization
+        "n": params.n,
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "stop": list(params.stop),
+        "seed": params.seed,
+        # At least 1, so each position carries the sampled token's own logprob; vLLM adds the sampled token
+        # to the top-k when it is not among them.
+        "logprobs": max(1, params.top_logprobs),
+        "return_token_ids": True,  # choices[i].token_ids: the sampled ids, stop token included
+        "return_tokens_as_token_ids": True,  # top_logprobs keys as "token_id:123" (unique; text can collide)
+        "skip_special_tokens": False,
+        "top_k": -1,  # vLLM extension: no top-k cut, so top_p is the only filter, as in OpenAI's API
+    }
+    if params.json_schema is not None:
+        body["structured_outputs"] = {"json": params.json_schema}
+    return body
+
+
+def _parse_choice(choice: dict[str, Any], params: SamplingParams, step: int,
+                  timings: dict[str, float]) -> EngineOutput:
+    token_ids = [int(t) for t in choice["token_ids"]]
+    lp = choice["logprobs"]
+    logprobs = [float(x) for x in lp["token_logprobs"]]
+    if len(logprobs) != len(token_ids):
+        raise EngineError(f"vLLM returned {len(token_ids)} token ids but {len(logprobs)} logprobs")
+    finish = choice.get("finish_reason")
+    if finish not in ("stop", "length"):
+        raise EngineError(f"vLLM finished a completion with {finish!r} (expected 'stop' or 'length')")
+    top: list[dict[int, float]] | None = None
+    if params.top_logprobs:
+        top = []
+        for position in lp["top_logprobs"]:
+            ranked = sorted(((_token_id(k), float(v)) for k, v in position.items()), key=lambda kv: -kv[1])
+            top.append(dict(ranked[: params.top_logprobs]))
+    reason: Literal["stop", "length"] = finish
+    return EngineOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=reason, top_logprobs=top,
+                        adapter_step=step, timings=dict(timings))
+
+
+def _token_id(key: str) -> int:
+    # With return_tokens_as_token_ids, every token is spelled "token_id:<id>".
+    return int(key.rsplit(":", 1)[1])
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except json.JSONDecodeError:
+        return response.text[:500]
+    if isinstance(body, dict):
+        error = body.get("error", body)
+        if isinstance(error, dict):
+            return str(error.get("message", error))
+        return str(error)
+    return str(body)[:500]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    """Signal the process group we created (its id is our child's pid), never anything else."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, sig)
+
+
+if sys.platform == "win32":  # pragma: no cover - process groups and killpg are POSIX
+    raise ImportError("art_core.engines.vllm needs a POSIX system (vLLM does not run on Windows)")

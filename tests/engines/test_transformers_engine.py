@@ -1,0 +1,108 @@
+"""The transformers engine on a tiny random model: exact decoding, logprobs, batching, pause, adapters."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from art_core.engines.base import Engine, SamplingParams
+from art_core.engines.transformers import TransformersEngine
+from art_core.errors import ArtError
+
+PROMPTS = [[1, 9707, 11, 1122, 359, 346, 47], [1, 504, 2114, 281, 253, 2], [1, 3702, 30, 2, 198, 1]]
+
+
+@pytest.fixture
+async def engine(tiny_model_dir):
+    engine = await TransformersEngine.from_pretrained(tiny_model_dir, device="cpu")
+    yield engine
+    await engine.aclose()
+
+
+async def test_it_is_an_engine(engine):
+    assert isinstance(engine, Engine)
+
+
+async def test_greedy_batch_equals_model_generate_one_by_one(engine):
+    outputs = engine.generate_batch(PROMPTS, [SamplingParams(max_tokens=12, temperature=0)] * len(PROMPTS))
+    for prompt, (out,) in zip(PROMPTS, outputs):
+        ref = engine.model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                    eos_token_id=sorted(engine.stop_ids), pad_token_id=engine.pad_id)
+        expected = ref[0, len(prompt):].tolist()
+        if engine.stop_ids & set(expected):  # generate pads after eos; we stop at it
+            expected = expected[: next(i for i, t in enumerate(expected) if t in engine.stop_ids) + 1]
+        assert out.token_ids == expected
+
+
+async def test_logprobs_match_a_forward_pass(engine):
+    (outs,) = engine.generate_batch([PROMPTS[0]], [SamplingParams(max_tokens=16, temperature=1.0, seed=3, n=4)])
+    worst = 0.0
+    for out in outs:
+        ids = torch.tensor([PROMPTS[0] + out.token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(engine.model(input_ids=ids).logits[0, :-1].float(), -1)
+        n = len(PROMPTS[0])
+        rescored = logp[torch.arange(n - 1, ids.shape[1] - 1), ids[0, n:]]
+        worst = max(worst, (rescored - torch.tensor(out.logprobs)).abs().max().item())
+    print(f"max |engine logprob - forward logprob| = {worst:.2e}")
+    assert worst < 1e-4
+
+
+async def test_seeds_stops_and_limits(engine):
+    a = engine.generate_batch([PROMPTS[1]], [SamplingParams(max_tokens=8, seed=7, n=2)])[0]
+    b = engine.generate_batch([PROMPTS[1]], [SamplingParams(max_tokens=8, seed=7, n=2)])[0]
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert a[0].token_ids != a[1].token_ids  # the n choices differ
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 8 for o in a if not engine.stop_ids & set(o.token_ids))
+    text = engine.tokenizer.decode(a[0].token_ids[:3], skip_special_tokens=True)
+    stop = text.strip()[-2:] or text
+    (stopped,) = engine.generate_batch([PROMPTS[1]], [SamplingParams(max_tokens=8, seed=7, stop=(stop,))])[0]
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) <= 3
+    (top,) = engine.generate_batch([PROMPTS[1]], [SamplingParams(max_tokens=3, top_logprobs=4)])[0]
+    assert top.top_logprobs is not None and all(len(d) == 4 for d in top.top_logprobs)
+
+
+async def test_concurrent_requests_share_batches(engine):
+    params = [SamplingParams(max_tokens=6, temperature=t, seed=i) for i, t in enumerate([0, 0.7, 1.0] * 4)]
+    results = await asyncio.gather(*(engine.generate(PROMPTS[i % 3], p) for i, p in enumerate(params)))
+    assert all(len(r) == 1 and r[0].token_ids for r in results)
+    assert engine.stats["batches"] < len(params)  # batched, though settings differ per request
+    assert all(r[0].timings["generate"] > 0 for r in results)
+
+
+async def test_requests_wait_while_paused(engine):
+    await engine.pause()
+    task = asyncio.create_task(engine.generate(PROMPTS[0], SamplingParams(max_tokens=4)))
+    await asyncio.sleep(0.3)
+    assert not task.done()  # waiting, not failed
+    await engine.resume()
+    (out,) = await asyncio.wait_for(task, 60)
+    assert out.token_ids
+
+
+async def test_load_adapter_swaps_without_reloading_the_base(engine, tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    adapter = get_peft_model(base, LoraConfig(r=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    for name, p in adapter.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)  # a large change, so greedy output must differ
+    adapter.save_pretrained(tmp_path / "adapter")
+
+    before = (await engine.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0)))[0].token_ids
+    base_weight = engine.model.model.layers[0].mlp.up_proj.weight
+    await engine.load_adapter(tmp_path / "adapter", step=3)
+    assert engine.adapter_step == 3
+    after = await engine.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0))
+    assert after[0].adapter_step == 3 and after[0].token_ids != before
+    assert engine.model.get_base_model().model.layers[0].mlp.up_proj.weight is base_weight  # base not reloaded
+    await engine.load_adapter(tmp_path / "adapter", step=4)  # swap again: the old adapter is dropped
+    assert list(engine.model.peft_config) == ["step-4"]
+    with pytest.raises(ArtError, match="adapter_config.json"):
+        await engine.load_adapter(tmp_path / "missing", step=5)
+    assert engine.adapter_step == 4  # still serving the last good one
