@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import LoraSettings, TrainConfig
 from .errors import ConfigError, LifecycleError
-from .types import Trajectory, TrajectoryGroup
+from .types import CallRecord, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from .backends.local import LocalBackend
@@ -105,6 +105,19 @@ class TrainableModel:
         """
         return await self.backend._sample(self, list(messages), n=n, max_tokens=max_tokens,
                                           temperature=temperature, tools=tools, seed=seed)
+
+    @property
+    def base_url(self) -> str:
+        """The gateway's OpenAI base URL (``http://127.0.0.1:PORT/v1``), for any OpenAI-compatible client."""
+        return self.backend._gateway(self).base_url
+
+    def rollout_base_url(self, rollout_id: str) -> str:
+        """A base URL whose calls the gateway records under ``rollout_id``."""
+        return self.backend._gateway(self).rollout_base_url(rollout_id)
+
+    def rollout_calls(self, rollout_id: str) -> list[CallRecord]:
+        """The token-exact records of a rollout's calls, oldest first, ready for ``Trajectory.calls``."""
+        return [r.to_call_record() for r in self.backend._gateway(self).records.for_rollout(rollout_id)]
 
     @property
     def model_dir(self) -> Path:

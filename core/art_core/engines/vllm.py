@@ -32,7 +32,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -64,7 +63,7 @@ def find_vllm_python(python: str | os.PathLike[str] = "vllm") -> Path:
     """
     if str(python) == "vllm":
         python = os.environ.get("ART_VLLM_VENV") or Path.cwd() / ".venv-vllm"
-    path = Path(python)
+    path = Path(python).absolute()  # not resolve(): a venv's python is a symlink to the base interpreter
     if path.is_dir():
         path = path / "bin" / "python"
     if not path.is_file():
@@ -119,6 +118,7 @@ class VLLMEngine:
         python: str | os.PathLike[str] = "vllm",
         port: int | None = None,
         max_lora_rank: int = 8,
+        dtype: str = "auto",
         extra_args: Sequence[str] = (),
         startup_timeout: float = 600,
         tokenizer: Any = None,
@@ -134,6 +134,8 @@ class VLLMEngine:
                 ``./.venv-vllm``).
             port: loopback port to serve on (default: a free one).
             max_lora_rank: largest LoRA rank that will be loaded (vLLM sizes its buffers for it).
+            dtype: weights and activations (``--dtype``). Pass the trainer's dtype (``"float32"`` on CPU) so
+                sampled logprobs match the trainer's; ``"auto"`` lets vLLM choose (it downcasts fp32 models).
             extra_args: more ``vllm serve`` arguments, appended last (so they override ours).
             startup_timeout: seconds to wait for ``/health`` (startup takes ~2 min on 2 CPU cores).
             tokenizer: the model's tokenizer (default: loaded from ``model_dir`` with transformers).
@@ -164,6 +166,7 @@ class VLLMEngine:
             str(interpreter), "-m", "vllm.entrypoints.openai.api_server",  # the `vllm` console script crashed on CPU
             "--model", str(model_dir),
             "--served-model-name", BASE_MODEL_NAME,
+            "--dtype", dtype,
             "--host", "127.0.0.1",
             "--port", str(port),
             "--enable-lora",
@@ -229,19 +232,32 @@ class VLLMEngine:
             return f"(log unreadable: {exc})"
 
     async def aclose(self) -> None:
-        """Stop the server: SIGTERM to its process group, then SIGKILL after 30 s. Idempotent."""
+        """Stop the server: SIGTERM to its process group, SIGKILL what is left after 30 s. Idempotent.
+
+        Returns once the whole group (the API server and vLLM's engine-core children) is gone, or after
+        a further 10 s.
+        """
         if self._state is _State.CLOSED:
             return
         self._state = _State.CLOSED
+        self._open.set()  # requests held by pause() wake up and fail with LifecycleError instead of hanging
         await self._client.aclose()
-        if self.process.poll() is None:
-            _signal_group(self.process, signal.SIGTERM)
-            deadline = time.monotonic() + 30.0
-            while self.process.poll() is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
-        # Also after the leader exited: vLLM's engine-core children share its group and may linger.
-        _signal_group(self.process, signal.SIGKILL)
-        await asyncio.to_thread(self.process.wait)
+        # The group's id is our child's pid. It cannot name anyone else's group even after the leader
+        # exits: Linux does not reuse a pid while a process group of that id exists.
+        _signal_group(self.process, signal.SIGTERM)
+        if not await self._wait_group_gone(30.0):
+            _signal_group(self.process, signal.SIGKILL)
+            await self._wait_group_gone(10.0)
+
+    async def _wait_group_gone(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while True:
+            self.process.poll()  # reap the leader, or it stays in the group as a zombie
+            if self.process.returncode is not None and not _signal_group(self.process, 0):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.2)
 
     async def __aenter__(self) -> VLLMEngine:
         return self
@@ -281,18 +297,23 @@ class VLLMEngine:
         finally:
             await self._finish_request(name)
         timings = {"queued": started - queued, "generate": time.monotonic() - started}
-        return [_parse_choice(choice, params, step, timings) for choice in sorted(body["choices"],
-                                                                                  key=lambda c: c["index"])]
+        try:
+            choices = sorted(body["choices"], key=lambda c: c["index"])
+            return [_parse_choice(choice, params, step, timings) for choice in choices]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(f"unexpected /v1/completions reply from vLLM ({exc!r}); is the venv's vLLM older "
+                              f"than 0.10 (no return_token_ids)? Reply starts: {str(body)[:300]}") from exc
 
     async def _finish_request(self, name: str) -> None:
         self._in_flight[name] -= 1
-        if self._in_flight[name] == 0:
-            del self._in_flight[name]
-            if name in self._retired:
-                self._retired.discard(name)
-                await self._unload(name)
+        if self._in_flight[name]:
+            return
+        del self._in_flight[name]
         if not self._in_flight:
             self._idle.set()
+        if name in self._retired and self._state is _State.RUNNING:  # its last request: free its LoRA slot
+            self._retired.discard(name)
+            await self._unload(name)
 
     async def load_adapter(self, path: Path, step: int) -> None:
         """Serve the PEFT adapter in ``path`` as ``step-{step}`` from the next request on.
@@ -308,11 +329,13 @@ class VLLMEngine:
         path = check_adapter_path(Path(path)).resolve()
         name = f"step-{step}"
         previous = self._model_name
-        if name == previous or name in self._retired:  # reloading a step: vLLM refuses a name twice
+        payload: dict[str, Any] = {"lora_name": name, "lora_path": str(path)}
+        if name == previous or name in self._retired:
+            # Reloading a step: vLLM refuses a name it already serves unless told to replace it in place.
+            payload["load_inplace"] = True
             self._retired.discard(name)
-            await self._unload(name)
         try:
-            await self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+            await self._post("/v1/load_lora_adapter", payload)
         except EngineError as exc:
             raise EngineError(f"vLLM could not load adapter {path} as {name}; still serving {previous}: {exc}") from exc
         served = [m["id"] for m in (await self._get("/v1/models"))["data"]]
@@ -413,7 +436,7 @@ def _completion_request(model: str, prompt_token_ids: list[int], params: Samplin
         "return_token_ids": True,  # choices[i].token_ids: the sampled ids, stop token included
         "return_tokens_as_token_ids": True,  # top_logprobs keys as "token_id:123" (unique; text can collide)
         "skip_special_tokens": False,
-        "top_k": -1,  # vLLM extension: no top-k cut, so top_p is the only filter, as in OpenAI's API
+        "top_k": 0,  # vLLM extension, 0 = off: no top-k cut, so top_p is the only filter, as in OpenAI's API
     }
     if params.json_schema is not None:
         body["structured_outputs"] = {"json": params.json_schema}
@@ -465,11 +488,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    """Signal the process group we created (its id is our child's pid), never anything else."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
+def _signal_group(process: subprocess.Popen[bytes], sig: int) -> bool:
+    """Signal the process group we created (its id is our child's pid), never anything else.
+
+    Returns whether the group still exists (``sig=0`` only checks).
+    """
+    try:
         os.killpg(process.pid, sig)
-
-
-if sys.platform == "win32":  # pragma: no cover - process groups and killpg are POSIX
-    raise ImportError("art_core.engines.vllm needs a POSIX system (vLLM does not run on Windows)")
+    except ProcessLookupError:
+        return False
+    return True

@@ -1,0 +1,199 @@
+"""The FastAPI app: routes mounted at ``/v1`` and ``/rollouts/{rollout_id}/v1``, plus three ASGI layers.
+
+Layers, outermost first (plain ASGI, so streaming responses pass through untouched):
+
+    count requests and error statuses  ->  check the API key  ->  cap the body size  ->  routes
+
+Routes:
+
+    POST /v1/chat/completions                 chat.py
+    GET  /v1/models, /v1/models/{model}       served.py
+    (the same under /rollouts/{rollout_id}/v1/..., which records the calls under that rollout)
+    GET  /rollouts/{rollout_id}/records       that rollout's exchange records, oldest first (JSON list)
+    GET  /metrics                             counters (JSON)
+    GET  /health                              gateway state and the engine's health
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from fastapi import Depends, FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..engines.base import Engine
+from . import chat, responses, served
+from .control import GatewayControl
+from .errors import error_response, install_error_handlers
+from .metrics import GatewayMetrics
+from .records import RecordStore
+from .settings import GatewaySettings
+from .state import GatewayState, check_rollout_id, get_state
+from .tokens import Detokenizer
+
+__all__ = ["create_app"]
+
+
+def create_app(
+    engine: Engine,
+    settings: GatewaySettings,
+    records: RecordStore | None = None,
+    *,
+    control: GatewayControl | None = None,
+    metrics: GatewayMetrics | None = None,
+) -> FastAPI:
+    """Build the gateway's ASGI app (``Gateway`` serves it; tests may mount it directly).
+
+    Args:
+        engine: serves the completions.
+        settings: the gateway's settings.
+        records: where exchanges are recorded. Default: a new ``RecordStore`` from ``settings``.
+        control: pause/resume for training. Default: a new ``GatewayControl(engine)``.
+        metrics: counters. Default: new ones.
+
+    Returns:
+        The app; its shared state is ``app.state.gateway`` (a ``GatewayState``).
+    """
+    state = GatewayState(
+        engine=engine,
+        settings=settings,
+        records=records if records is not None else RecordStore(
+            settings.records_path, max_in_memory=settings.max_records_in_memory),
+        control=control if control is not None else GatewayControl(engine),
+        metrics=metrics if metrics is not None else GatewayMetrics(),
+        detokenizer=Detokenizer(engine.tokenizer),
+    )
+    app = FastAPI(title="art-core gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = state
+    install_error_handlers(app)
+    for prefix in ("/v1", "/rollouts/{rollout_id}/v1"):
+        app.include_router(chat.router, prefix=prefix)
+        app.include_router(responses.router, prefix=prefix)
+        app.include_router(served.router, prefix=prefix)
+
+    @app.get("/rollouts/{rollout_id}/records")
+    async def rollout_records(rollout_id: str, state: GatewayState = Depends(get_state)) -> list[dict[str, Any]]:
+        check_rollout_id(rollout_id, where="the URL path")
+        return [record.model_dump(mode="json") for record in state.records.for_rollout(rollout_id)]
+
+    @app.get("/metrics")
+    async def metrics_route(state: GatewayState = Depends(get_state)) -> dict[str, Any]:
+        return {**state.metrics.snapshot(), "in_flight": state.control.in_flight, "state": state.control.state,
+                "adapter_step": state.engine.adapter_step}
+
+    @app.get("/health")
+    async def health(state: GatewayState = Depends(get_state)) -> dict[str, Any]:
+        return {"state": state.control.state, "adapter_step": state.engine.adapter_step,
+                "engine": await state.engine.health()}
+
+    # Added innermost first: Starlette wraps each new middleware around the ones before it.
+    app.add_middleware(_BodyLimit, max_bytes=settings.max_request_bytes)
+    if settings.api_key is not None:
+        app.add_middleware(_BearerAuth, api_key=settings.api_key)
+    app.add_middleware(_CountRequests, metrics=state.metrics)
+    return app
+
+
+class _CountRequests:
+    """Counts every HTTP request and every error status, whichever layer answered it."""
+
+    def __init__(self, app: ASGIApp, *, metrics: GatewayMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        self.metrics.requests += 1
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                self.metrics.errors_by_status[message["status"]] += 1
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+class _BearerAuth:
+    """Every route requires ``Authorization: Bearer <api_key>`` (compared in constant time)."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str) -> None:
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.key):
+            return await self.app(scope, receive, send)
+        message = ("no API key given: send 'Authorization: Bearer <key>' with the gateway's api_key" if not header
+                   else "the API key is not valid for this gateway")
+        response = error_response(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+class _BodyLimit:
+    """Refuses bodies over ``max_bytes`` with 413, from Content-Length or by counting, before any parsing."""
+
+    # A body past the limit is read and dropped up to this much, so the client sees the 413 rather than a
+    # reset connection; beyond it the connection is simply answered and closed.
+    _DRAIN_BYTES = 64 * 1024 * 1024
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                response = error_response(
+                    400, f"Content-Length {declared[:40]!r} is not a number", code="invalid_request")
+                return await response(scope, receive, send)
+            if int(declared) > self.max_bytes:
+                return await self._too_large(scope, receive, send, size=int(declared), more_body=True)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its body: nobody to answer
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                more = bool(message.get("more_body", False))
+                return await self._too_large(scope, receive, send, size=None, more_body=more, drained=size)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            # The buffered body once, then the real channel (which reports a client disconnect).
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(
+        self, scope: Scope, receive: Receive, send: Send, *, size: int | None, more_body: bool, drained: int = 0
+    ) -> None:
+        """Answer 413; ``size`` is the declared length, or None when counting found it too long."""
+        more = more_body
+        while more and drained < self._DRAIN_BYTES:
+            message = await receive()
+            drained += len(message.get("body", b""))
+            more = message["type"] == "http.request" and message.get("more_body", False)
+        response = error_response(
+            413, f"the request body is {f'more than {self.max_bytes}' if size is None else size} bytes, above "
+            f"this gateway's limit of {self.max_bytes}: send a shorter conversation or raise "
+            "GatewaySettings.max_request_bytes",
+            code="request_too_large",
+        )
+        await response(scope, receive, send)

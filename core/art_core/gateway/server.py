@@ -1,0 +1,209 @@
+"""``Gateway``: the app served by uvicorn inside the caller's event loop, with an explicit lifecycle.
+
+    async with Gateway(engine, GatewaySettings(model_name="agent")) as gateway:
+        client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="unused")
+        ...                                    # or gateway.rollout_base_url(rollout_id) per rollout
+        await gateway.pause_for_training()     # see control.py
+        await gateway.resume_after_training(step)
+
+The gateway binds its socket itself (so ``port=0`` yields the real port at once, and a port in use is a
+``ConfigError`` rather than uvicorn's ``sys.exit``), and leaves signal handling to the host program.
+The engine and the record store belong to the caller: ``aclose()`` closes neither.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+
+import uvicorn
+
+from ..engines.base import Engine
+from ..errors import ConfigError, LifecycleError
+from .app import create_app
+from .control import GatewayControl
+from .metrics import GatewayMetrics
+from .records import RecordStore
+from .settings import GatewaySettings
+from .state import ROLLOUT_ID_PATTERN
+
+__all__ = ["Gateway"]
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    STARTED = "started"
+    CLOSED = "closed"
+
+
+class _EmbeddedServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn would take over SIGINT/SIGTERM and re-raise them after shutdown; the host program owns them.
+        yield
+
+
+class Gateway:
+    """The OpenAI-compatible gateway in front of an engine, as an async context manager.
+
+    Args:
+        engine: the engine to serve.
+        settings: host, port, API key, model names, limits. Default: ``GatewaySettings()``.
+        records: where exchanges are recorded. Default: a ``RecordStore`` from ``settings``.
+
+    Attributes:
+        control: the training handshake (``pause_for_training`` / ``resume_after_training``).
+        records: the record store.
+        metrics: the counters served at ``/metrics``.
+        app: the FastAPI app.
+    """
+
+    def __init__(
+        self, engine: Engine, settings: GatewaySettings | None = None, records: RecordStore | None = None
+    ) -> None:
+        self.engine = engine
+        self.settings = settings if settings is not None else GatewaySettings()
+        self.records = records if records is not None else RecordStore(
+            self.settings.records_path, max_in_memory=self.settings.max_records_in_memory)
+        self.control = GatewayControl(engine)
+        self.metrics = GatewayMetrics()
+        self.app = create_app(engine, self.settings, self.records, control=self.control, metrics=self.metrics)
+        self._state = _State.NEW
+        self._server: _EmbeddedServer | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._socket: socket.socket | None = None
+        self._port: int | None = None
+
+    # --- lifecycle ---
+
+    async def start(self) -> Gateway:
+        """Bind the socket and start serving in the current event loop; returns once it accepts connections.
+
+        Raises:
+            LifecycleError: already started, or closed.
+            ConfigError: the host/port cannot be bound (the message says which and why).
+        """
+        if self._state is not _State.NEW:
+            raise LifecycleError(f"Gateway.start() called on a {self._state.value} gateway: a gateway starts once; "
+                                 "create a new Gateway to serve again")
+        self._socket = _bind(self.settings.host, self.settings.port)
+        self._port = self._socket.getsockname()[1]
+        config = uvicorn.Config(
+            self.app, host=self.settings.host, port=self._port, log_level="warning",
+            log_config=None,  # leave the host program's logging configuration alone
+            access_log=False, lifespan="off",
+            timeout_graceful_shutdown=30,  # on close, in-flight generations get this long to finish
+        )
+        server = _EmbeddedServer(config)
+        self._server = server
+        self._task = asyncio.create_task(server.serve(sockets=[self._socket]), name="art-gateway")
+        while not server.started:
+            if self._task.done():
+                self._socket.close()
+                self._state = _State.CLOSED
+                error = self._task.exception()
+                raise LifecycleError(
+                    f"the gateway failed to start on {self.settings.host}:{self._port}: {error}") from error
+            await asyncio.sleep(0.005)
+        self._state = _State.STARTED
+        return self
+
+    async def aclose(self) -> None:
+        """Stop accepting requests, answer held ones 503, finish in-flight ones, and stop the server.
+
+        Closing twice is allowed; the engine and records stay open (they belong to the caller).
+        """
+        if self._state is _State.CLOSED:
+            return
+        was_started = self._state is _State.STARTED
+        self._state = _State.CLOSED
+        self.control.close()
+        if was_started and self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await self._task
+        if self._socket is not None:
+            self._socket.close()
+
+    async def __aenter__(self) -> Gateway:
+        return await self.start()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    # --- addresses ---
+
+    @property
+    def port(self) -> int:
+        """The bound port (the real one when ``settings.port`` was 0)."""
+        self._check_started("port")
+        assert self._port is not None
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """``http://host:port``, with a loopback address when bound to every interface."""
+        host = self.settings.host
+        if host in ("0.0.0.0", ""):
+            host = "127.0.0.1"
+        elif host == "::":
+            host = "::1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI base URL, e.g. ``http://127.0.0.1:8123/v1``; its calls belong to no rollout."""
+        return f"{self.url}/v1"
+
+    def rollout_base_url(self, rollout_id: str) -> str:
+        """The OpenAI base URL whose calls are recorded under ``rollout_id``.
+
+        Raises:
+            ConfigError: the id is not 1-128 of letters, digits, ``.``, ``_``, ``-``.
+        """
+        if not ROLLOUT_ID_PATTERN.fullmatch(rollout_id) or rollout_id in (".", ".."):
+            raise ConfigError(f"rollout id {rollout_id!r} is invalid: use 1-128 letters, digits, '.', '_' or '-'")
+        return f"{self.url}/rollouts/{rollout_id}/v1"
+
+    # --- training handshake ---
+
+    async def pause_for_training(self) -> None:
+        """See ``GatewayControl.pause_for_training``."""
+        self._check_started("pause_for_training")
+        await self.control.pause_for_training()
+
+    async def resume_after_training(self, expected_step: int, *, adapter_path: Path | None = None) -> None:
+        """See ``GatewayControl.resume_after_training``."""
+        self._check_started("resume_after_training")
+        await self.control.resume_after_training(expected_step, adapter_path=adapter_path)
+
+    def _check_started(self, what: str) -> None:
+        if self._state is not _State.STARTED:
+            raise LifecycleError(
+                f"Gateway.{what} used on a {self._state.value} gateway: use it between start() and aclose()")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket on ``host:port`` (port 0: a free one)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc}; check GatewaySettings.host") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            f"cannot listen on {host}:{port}: {exc}; pick another port, or port=0 for a free one") from exc
+    return sock

@@ -1,0 +1,69 @@
+"""What every route needs: the engine, settings, records, control and metrics, plus the rollout scope."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from ..engines.base import Engine
+from .control import GatewayControl
+from .errors import APIError
+from .metrics import GatewayMetrics
+from .records import RecordStore
+from .settings import GatewaySettings
+from .tokens import Detokenizer
+
+__all__ = ["ROLLOUT_ID_PATTERN", "GatewayState", "check_rollout_id", "get_state", "rollout_scope"]
+
+ROLLOUT_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+"""Letters, digits, ``.``, ``_`` and ``-``: safe in URLs, file names and log lines."""
+
+
+@dataclass
+class GatewayState:
+    """Shared by all routes of one app (``app.state.gateway``)."""
+
+    engine: Engine
+    settings: GatewaySettings
+    records: RecordStore
+    control: GatewayControl
+    metrics: GatewayMetrics
+    detokenizer: Detokenizer
+
+
+def get_state(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    return state
+
+
+def check_rollout_id(value: str, *, where: str) -> str:
+    """``value`` if it is a valid rollout id, else a 400 naming where it came from."""
+    if not ROLLOUT_ID_PATTERN.fullmatch(value) or value in (".", ".."):
+        raise APIError(
+            400, f"rollout id {value[:140]!r} (from {where}) is invalid: use 1-128 letters, digits, '.', '_' or '-'",
+            param="rollout_id", code="invalid_rollout_id",
+        )
+    return value
+
+
+def rollout_scope(request: Request) -> str | None:
+    """The rollout a request belongs to: ``/rollouts/{id}/v1/...`` or the ``X-Rollout-Id`` header.
+
+    Raises:
+        APIError: 400 for an invalid id, or when path and header name different rollouts.
+    """
+    from_path = request.path_params.get("rollout_id")
+    from_header = request.headers.get("x-rollout-id")
+    if from_path is not None:
+        check_rollout_id(from_path, where="the URL path")
+    if from_header is not None:
+        check_rollout_id(from_header, where="the X-Rollout-Id header")
+    if from_path is not None and from_header is not None and from_path != from_header:
+        raise APIError(
+            400, f"the URL names rollout {from_path!r} but X-Rollout-Id says {from_header!r}: send one, or the "
+            "same in both",
+            param="rollout_id", code="invalid_rollout_id",
+        )
+    return from_path if from_path is not None else from_header

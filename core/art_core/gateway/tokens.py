@@ -1,0 +1,160 @@
+"""Between chat messages and token ids: render the prompt, decode completions, describe single tokens.
+
+The gateway renders prompts itself (the engine sees only ids) with the tokenizer's own chat template, so
+the ids it records are exactly the ids the engine ran.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from .errors import APIError
+
+__all__ = ["Detokenizer", "render_prompt", "template_message"]
+
+logger = logging.getLogger(__name__)
+
+# Tool-call markup some tokenizers register as special tokens (Hermes 3, Llama 3.1): decoding must keep
+# them, or the tool-call parser would never see the calls.
+_KEEP_SPECIAL = ("<tool_call>", "</tool_call>", "<|python_tag|>")
+
+
+def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """One validated OpenAI message as chat templates expect it.
+
+    ``developer`` becomes ``system`` (OpenAI's newer name for the same turn; templates know only the
+    old one). Tool-call arguments arrive as JSON text and are parsed to dicts, the form templates render
+    with ``tojson``; text that is not a JSON object is passed on verbatim.
+    """
+    role = "system" if message["role"] == "developer" else message["role"]
+    out: dict[str, Any] = {"role": role, "content": message.get("content")}
+    if message.get("tool_calls"):
+        calls = []
+        for call in message["tool_calls"]:
+            function = dict(call["function"])
+            arguments = function.get("arguments")
+            if isinstance(arguments, str):
+                try:
+                    parsed = json.loads(arguments)
+                except ValueError:
+                    parsed = None
+                if isinstance(parsed, dict):
+                    function["arguments"] = parsed
+            calls.append({"id": call.get("id"), "type": "function", "function": function})
+        out["tool_calls"] = calls
+    for key in ("tool_call_id", "name"):
+        if message.get(key) is not None:
+            out[key] = message[key]
+    return out
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    """Prompt token ids: the conversation through the chat template, ending with the assistant's header.
+
+    Raises:
+        APIError: 422 when the template refuses the conversation (e.g. an image part for a text model);
+            400 when the prompt does not fit the model's context.
+    """
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    except Exception as exc:  # jinja's TemplateError, raise_exception(), or a template tripping on odd input
+        logger.info("chat template refused a request: %s: %s", type(exc).__name__, exc)
+        raise APIError(
+            422, f"this model's chat template cannot render the conversation: {exc}", param="messages",
+            code="unsupported_content",
+        ) from exc
+    if isinstance(ids, Mapping):  # some tokenizers return a BatchEncoding whatever return_dict says
+        ids = ids["input_ids"]
+    ids = [int(i) for i in ids]
+    context = getattr(tokenizer, "model_max_length", None)
+    if isinstance(context, int) and context < 10**8 and len(ids) >= context:  # huge values mean "not set"
+        raise APIError(
+            400, f"the prompt has {len(ids)} tokens but the model's context is {context}: shorten the conversation",
+            param="messages", code="context_length_exceeded",
+        )
+    return ids
+
+
+class Detokenizer:
+    """Decodes completion ids the way the client sees them: special tokens dropped, tool-call tags kept.
+
+    Args:
+        tokenizer: the engine's Hugging Face tokenizer.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        added = getattr(tokenizer, "added_tokens_decoder", {})  # id -> AddedToken (17 entries, not the 49k vocab)
+        special = {i for i, token in added.items() if getattr(token, "special", False)} | set(tokenizer.all_special_ids)
+        keep = {i for i, token in added.items() if str(token) in _KEEP_SPECIAL}
+        self.skip_ids: frozenset[int] = frozenset(special - keep)
+        """Ids left out of text: end-of-turn, padding and the other control tokens."""
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        # Byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM2) spells each byte as one printable character, so a
+        # token's exact bytes can be read off its string even when it holds half a UTF-8 character.
+        self._byte_level = "ByteLevel" in repr(decoder)
+        self._byte_decoder = {char: byte for byte, char in _bytes_to_unicode().items()}
+
+    def visible(self, ids: list[int]) -> list[int]:
+        """``ids`` without the special tokens that are not part of the text."""
+        return [i for i in ids if i not in self.skip_ids]
+
+    def decode(self, ids: list[int]) -> str:
+        """The completion's text, as the client receives it (before tool-call parsing)."""
+        return self.tokenizer.decode(self.visible(ids), skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes of one token (OpenAI's ``bytes`` field in logprobs)."""
+        if self._byte_level:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and all(c in self._byte_decoder for c in piece):
+                return bytes(self._byte_decoder[c] for c in piece)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text; a partial UTF-8 character shows as U+FFFD."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def text_pieces(self, ids: list[int], text: str) -> Iterator[tuple[str, int]]:
+        """Pieces of ``text`` as the tokens produce it, each with how many visible tokens it took.
+
+        The pieces always join to exactly ``text`` (the decoded, possibly stop-string-cut completion) and
+        their counts add up to ``len(self.visible(ids))``: when decoding piece by piece stops agreeing with
+        ``text``, the rest is sent as one piece.
+        """
+        ids = self.visible(ids)
+        sent = 0
+        # Decode a short window rather than the whole prefix each time (linear, not quadratic), and hold
+        # a token back while it ends in half a character (U+FFFD).
+        prefix, read = 0, 0
+        for end in range(1, len(ids) + 1):
+            before = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=False)
+            after = self.tokenizer.decode(ids[prefix:end], skip_special_tokens=False)
+            if len(after) <= len(before) or after.endswith("\ufffd"):
+                continue
+            piece = after[len(before) :]
+            if not text.startswith(piece, sent):
+                break
+            sent += len(piece)
+            yield piece, end - read
+            prefix, read = read, end
+        if sent < len(text) or read < len(ids):
+            yield text[sent:], len(ids) - read
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which byte-level BPE vocabularies are written in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, (chr(c) for c in chars), strict=True))

