@@ -38,9 +38,10 @@ GRPOConfig defaults to True, which would add a recomputed forward to TRL's time 
 ``bf16=False`` (fp32, as ours on CPU), constant learning rate (no scheduler step in the timing).
 
 Each side runs in its own subprocess (so peak memory is per side), interleaved round by round:
-ours, TRL, ours without prefix sharing (the ablation that shows where the speed comes from). Each run
-does 1 warm-up step and N timed steps; the reported time is the median over all timed steps of all
-rounds. Memory: peak RSS of the whole process (``ru_maxrss``, includes loading), and the growth of RSS
+ours, TRL, ours without prefix sharing (the ablation that shows where the speed comes from), in
+reverse order every other round. Each run does 1 warm-up step and N timed steps; the reported time
+is the median over all timed steps of all rounds. The machine is shared, so the fastest step and the
+process CPU time are reported too; neither is immune to other load (busy threads wait on each other). Memory: peak RSS of the whole process (``ru_maxrss``, includes loading), and the growth of RSS
 during the steps over the RSS after setup (the peak is reset after setup via /proc/self/clear_refs).
 
 Run:
@@ -346,7 +347,8 @@ def main() -> None:
     model_dir = _resolve_model(args.model)
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
     for round_index in range(args.rounds):
-        for side in SIDES:
+        # Reversed every other round (ABC CBA ...): a load that drifts over a round hits no side more.
+        for side in SIDES if round_index % 2 == 0 else SIDES[::-1]:
             result = _spawn(side, model_dir, steps=args.steps, threads=args.threads)
             runs[side].append(result)
             times = ", ".join(f"{t['seconds']:.2f}" for t in result["timed"])

@@ -85,18 +85,7 @@ async def chat_completions(
     prompt_ids = render_prompt(state.engine.tokenizer, messages, raw["tools"] if offer_tools else None)
 
     # --- generate (held here while the gateway is paused for training) ---
-    try:
-        async with state.control.admitted() as waited:
-            outputs = await state.engine.generate(prompt_ids, params)
-    except APIError:
-        raise
-    except LifecycleError as exc:
-        logger.warning("engine unavailable: %s", exc)
-        raise APIError(503, f"the engine is not available: {exc}", code="engine_unavailable") from exc
-    except Exception as exc:
-        logger.exception("engine.generate failed")
-        raise APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", code="engine_error") from exc
-    _check_outputs(outputs, params.n)
+    outputs, waited = await generate_outputs(state, prompt_ids, params)
 
     # --- per choice: decode, parse, record (on disk before the client hears back) ---
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -143,6 +132,29 @@ async def chat_completions(
         ],
     )
     return JSONResponse(completion.model_dump())
+
+
+async def generate_outputs(
+    state: GatewayState, prompt_ids: list[int], params: SamplingParams
+) -> tuple[list[EngineOutput], float]:
+    """``engine.generate`` for an endpoint: held while paused, failures mapped to 503/500, outputs checked.
+
+    Returns:
+        The outputs and the seconds the request waited for a training step to finish.
+    """
+    try:
+        async with state.control.admitted() as waited:
+            outputs = await state.engine.generate(prompt_ids, params)
+    except APIError:
+        raise
+    except LifecycleError as exc:
+        logger.warning("engine unavailable: %s", exc)
+        raise APIError(503, f"the engine is not available: {exc}", code="engine_unavailable") from exc
+    except Exception as exc:
+        logger.exception("engine.generate failed")
+        raise APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", code="engine_error") from exc
+    _check_outputs(outputs, params.n)
+    return outputs, waited
 
 
 async def _json_object(request: Request) -> dict[str, Any]:

@@ -30,7 +30,6 @@ does; the Agents SDK raises ``ModelBehaviorError`` on it.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -43,8 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..engines.base import EngineOutput, SamplingParams
-from ..errors import LifecycleError
-from .chat import _Answer, _answer, _check_outputs, _json_object, _logprob_entries, _sampling_params
+from .chat import _Answer, _answer, _json_object, _logprob_entries, _sampling_params, generate_outputs
 from .chat import _validate as _validate_chat
 from .errors import APIError
 from .records import ExchangeRecord
@@ -295,8 +293,7 @@ async def create_response(
     prompt_ids = render_prompt(state.engine.tokenizer, messages, chat_tools if offer_tools else None)
 
     # --- generate, check, decode and parse, record (on disk before the client hears back) ---
-    outputs, waited = await _generate(state, prompt_ids, params)
-    _check_outputs(outputs, 1)
+    outputs, waited = await generate_outputs(state, prompt_ids, params)
     (out,) = outputs
     answer = _answer(out, state.detokenizer, params.stop, tool_names)
     response_id = f"resp_{uuid.uuid4().hex}"
@@ -435,24 +432,6 @@ def _as_chat_request(
         "response_format": None if fmt is None else {"type": fmt.type, "json_schema": {
             "name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict} if fmt.type == "json_schema" else None},
     })
-
-
-async def _generate(
-    state: GatewayState, prompt_ids: list[int], params: SamplingParams
-) -> tuple[list[EngineOutput], float]:
-    """``engine.generate`` as chat.py calls it: held while paused, engine failures mapped to 503/500."""
-    try:
-        async with state.control.admitted() as waited:
-            outputs = await state.engine.generate(prompt_ids, params)
-    except APIError:
-        raise
-    except LifecycleError as exc:
-        logger.warning("engine unavailable: %s", exc)
-        raise APIError(503, f"the engine is not available: {exc}", code="engine_unavailable") from exc
-    except Exception as exc:
-        logger.exception("engine.generate failed")
-        raise APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", code="engine_error") from exc
-    return outputs, waited
 
 
 def _response_object(
