@@ -7,6 +7,8 @@ raise that success rate measurably: by at least 8 points, more than twice its st
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from art_core import TrainConfig
@@ -18,8 +20,10 @@ from art_core.demo import run_demo
 async def test_ten_grpo_steps_raise_held_out_success(smollm2_dir, tmp_path):
     result = await run_demo(steps=10, base_model=smollm2_dir, path=tmp_path, seed=0,
                             config=TrainConfig(learning_rate=1e-3))
-    print(f"held-out success {result.success_before:.3f} -> {result.success_after:.3f}, "
-          f"train reward per step {[round(r, 3) for r in result.rewards]}, {result.seconds:.0f}s")
+    summary = {"success_before": result.success_before, "success_after": result.success_after,
+               "train_reward_per_step": result.rewards, "seconds": result.seconds}
+    (tmp_path / "result.json").write_text(json.dumps(summary))  # pytest keeps tmp_path for inspection
+    print(summary)
     assert 0.10 <= result.success_before <= 0.40  # the task is in the band where GRPO has signal
     assert result.success_after >= result.success_before + 0.08
     assert sum(result.rewards[-3:]) > sum(result.rewards[:3])  # training reward rose too
