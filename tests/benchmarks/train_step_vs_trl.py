@@ -45,7 +45,8 @@ Timing on a shared 2-core machine: while any other process runs, 2-thread torch 
 (each op waits for both threads), so a step is only as good as the machine was quiet during it. Each
 step records how much CPU the *other* processes used meanwhile (from /proc/stat); the reported time
 is the median over the quiet steps (others < 0.1 core) when every side has at least 2 of them, else
-the median over all steps (the JSON's ``timing_basis`` says which). The all-steps median and the
+the median over all steps (the JSON's ``timing_basis`` says which); up to ``--max-rounds`` rounds are
+run, the extra ones only for the sides still short of quiet steps. The all-steps median and the
 fastest step are printed too, and every step's time with its "others busy" figure is in the JSON.
 
 Memory: peak RSS of the whole process (``ru_maxrss``, includes loading), and the growth of RSS during
@@ -357,6 +358,9 @@ def main() -> None:
                              "(default: the embedded smollm2-135m-instruct)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run, after 1 warm-up (default 3)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all sides (default 2)")
+    parser.add_argument("--max-rounds", type=int, default=4,
+                        help="run extra rounds, up to this many, for sides with fewer than "
+                             f"{MIN_QUIET_STEPS} quiet steps (default 4)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads per process (default 2)")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # internal: run one side
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
@@ -369,30 +373,41 @@ def main() -> None:
 
     model_dir = _resolve_model(args.model)
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
-    for round_index in range(args.rounds):
+    round_index, max_rounds = 0, max(args.max_rounds, args.rounds)
+    while round_index < max_rounds:
         # Reversed every other round (ABC CBA ...): a load that drifts over a round hits no side more.
-        for side in SIDES if round_index % 2 == 0 else SIDES[::-1]:
+        order = SIDES if round_index % 2 == 0 else SIDES[::-1]
+        if round_index >= args.rounds:  # extra rounds: only for the sides still short of quiet steps
+            order = tuple(side for side in order if _quiet_steps(runs[side]) < MIN_QUIET_STEPS)
+            if not order:
+                break
+        for side in order:
             result = _spawn(side, model_dir, steps=args.steps, threads=args.threads)
             runs[side].append(result)
             times = ", ".join(f"{t['seconds']:.2f}" for t in result["timed"])
             others = ", ".join(f"{t['others_cores']:.2f}" for t in result["timed"])
-            print(f"round {round_index + 1}/{args.rounds} {side:<22} setup {result['setup_s']:5.1f} s, "
+            print(f"round {round_index + 1} {side:<22} setup {result['setup_s']:5.1f} s, "
                   f"warm-up {result['first']['seconds']:.2f} s, steps [{times}] s, others busy [{others}] cores",
                   flush=True)
+        round_index += 1
 
     for key in ("workload", "adapter"):
         seen = {r[key] for rs in runs.values() for r in rs}
         if len(seen) != 1:
             raise RuntimeError(f"the sides did not train on the same {key}: fingerprints {sorted(seen)}")
 
-    report(runs, model_name=args.model, model_dir=model_dir, threads=args.threads, rounds=args.rounds,
+    report(runs, model_name=args.model, model_dir=model_dir, threads=args.threads, rounds=round_index,
            steps=args.steps)
+
+
+def _quiet_steps(runs: list[dict[str, Any]]) -> int:
+    return sum(t["others_cores"] < QUIET_OTHERS_CORES for r in runs for t in r["timed"])
 
 
 def report(runs: dict[str, list[dict[str, Any]]], *, model_name: str, model_dir: Path, threads: int,
            rounds: int, steps: int) -> None:
     """Print the table, the checks, and (last) the JSON line."""
-    timed = {side: [t for r in rs for t in r["timed"]] for side, rs in runs.items()}
+    timed = {side: [t for r in rs for t in r["timed"]] for side, rs in runs.items()}  # every timed step
     quiet = {side: [t for t in ts if t["others_cores"] < QUIET_OTHERS_CORES] for side, ts in timed.items()}
     # Other processes only ever add time, and on 2 cores they add a lot: time on the quiet steps when
     # every side has enough of them, else on all steps (and say which).
