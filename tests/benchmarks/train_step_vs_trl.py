@@ -194,7 +194,8 @@ def _measured(step: Any) -> dict[str, float]:
     return {"seconds": seconds, "cpu_seconds": cpu, "others_cores": others / seconds, **out}
 
 
-def _ours_setup(model_dir: Path, work: dict[str, Any], *, share_prefix: bool):
+def _ours_setup(model_dir: Path, work: dict[str, Any], *, share_prefix: bool) -> tuple[Any, str, dict[str, Any]]:
+    """Our trainer on the workload; returns (step function, adapter fingerprint, facts to report)."""
     from art_core.config import LoraSettings, TrainConfig
     from art_core.training.trainer import GRPOTrainer, load_policy
     from art_core.types import CallRecord, Trajectory, TrajectoryGroup
@@ -219,7 +220,8 @@ def _ours_setup(model_dir: Path, work: dict[str, Any], *, share_prefix: bool):
     return step, adapter, {"optimizer": "torch.optim.AdamW", "extra_forward": False}
 
 
-def _trl_setup(model_dir: Path, work: dict[str, Any], scratch: str):
+def _trl_setup(model_dir: Path, work: dict[str, Any], scratch: str) -> tuple[Any, str, dict[str, Any]]:
+    """TRL's GRPOTrainer with the inputs its compute_loss consumes; same return as ``_ours_setup``."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -267,6 +269,7 @@ def _trl_setup(model_dir: Path, work: dict[str, Any], scratch: str):
         "advantages": torch.tensor(work["advantages"], dtype=torch.float32),  # [G]
         "num_items_in_batch": torch.tensor(GROUP_SIZE * COMPLETION_TOKENS),
     }
+
     def step() -> dict[str, float]:
         t0 = time.perf_counter()
         model.train()
