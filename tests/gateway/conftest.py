@@ -30,3 +30,16 @@ async def gateway(engine: FakeEngine, tmp_path: Path) -> AsyncIterator[Gateway]:
     settings = GatewaySettings(model_name="agent", records_path=tmp_path / "records.jsonl")
     async with Gateway(engine, settings) as gw:
         yield gw
+
+
+@pytest.fixture
+async def tiny_gateway(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[Gateway]:
+    """A gateway over the transformers engine on the tiny random model, recording to tmp_path."""
+    from art_core.engines.transformers import TransformersEngine
+
+    engine = await TransformersEngine.from_pretrained(tiny_model_dir, device="cpu")
+    try:
+        async with Gateway(engine, GatewaySettings(records_path=tmp_path / "records.jsonl")) as gateway:
+            yield gateway
+    finally:
+        await engine.aclose()

@@ -15,16 +15,6 @@ from art_core.gateway import Gateway, GatewaySettings
 USER = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture
-async def tiny_gateway(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[Gateway]:
-    engine = await TransformersEngine.from_pretrained(tiny_model_dir, device="cpu")
-    try:
-        async with Gateway(engine, GatewaySettings(records_path=tmp_path / "records.jsonl")) as gateway:
-            yield gateway
-    finally:
-        await engine.aclose()
-
-
 async def test_records_match_what_the_client_got(tiny_gateway: Gateway):
     tokenizer = tiny_gateway.engine.tokenizer
     async with openai.AsyncOpenAI(base_url=tiny_gateway.rollout_base_url("real"), api_key="k", max_retries=0) as client:

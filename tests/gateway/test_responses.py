@@ -386,20 +386,8 @@ async def test_stateless_error_through_the_client(gateway: Gateway):
 # --- a real model ------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-async def real_gateway(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[Gateway]:
-    from art_core.engines.transformers import TransformersEngine
-
-    engine = await TransformersEngine.from_pretrained(tiny_model_dir, device="cpu")
-    try:
-        async with Gateway(engine, GatewaySettings(records_path=tmp_path / "records.jsonl")) as gateway:
-            yield gateway
-    finally:
-        await engine.aclose()
-
-
-async def test_tiny_model_non_streaming_and_streaming_agree(real_gateway: Gateway):
-    async with async_client(real_gateway.rollout_base_url("tiny")) as client:
+async def test_tiny_model_non_streaming_and_streaming_agree(tiny_gateway: Gateway):
+    async with async_client(tiny_gateway.rollout_base_url("tiny")) as client:
         response = await client.responses.create(model="agent", input="Hi!", max_output_tokens=12, temperature=0,
                                                  tools=[TOOL])
         stream = await client.responses.create(model="agent", input="Hi!", max_output_tokens=12, temperature=0,
@@ -409,7 +397,7 @@ async def test_tiny_model_non_streaming_and_streaming_agree(real_gateway: Gatewa
     streamed = events[-1].response
     assert events[-1].type == f"response.{response.status}" and streamed.status == response.status  # greedy: same run
     assert streamed.output_text == response.output_text
-    plain, again = real_gateway.records.for_rollout("tiny")
+    plain, again = tiny_gateway.records.for_rollout("tiny")
     assert plain.completion_token_ids == again.completion_token_ids and plain.endpoint == "responses"
     assert response.usage.output_tokens == len(plain.completion_token_ids) <= 12
     assert len(plain.logprobs) == len(plain.completion_token_ids) and all(lp <= 0 for lp in plain.logprobs)
