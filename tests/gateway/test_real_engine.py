@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import openai
 import pytest
 
 from art_core.engines.transformers import TransformersEngine
-from art_core.gateway import Gateway, GatewaySettings
+from art_core.gateway import Gateway
 
 USER = [{"role": "user", "content": "What is the capital of France?"}]
 

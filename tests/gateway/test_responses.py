@@ -7,8 +7,6 @@ random Qwen2 through ``TransformersEngine``.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,7 +15,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
 
-from art_core.gateway import Gateway, GatewaySettings
+from art_core.gateway import Gateway
 
 from fakes import TOOL_REPLY, WEATHER_TOOL, FakeEngine
 
