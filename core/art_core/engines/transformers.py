@@ -9,6 +9,11 @@ What it reports is what the trainer needs: completion ids up to and including th
 log-probability of each sampled token under the model's raw distribution (before temperature and top-p),
 which is what the trainer's forward pass computes.
 
+Rows whose ``params.json_schema`` is set are constrained to it (``engines/_structured.py``, llguidance):
+each step their logits are masked to the tokens that keep the JSON valid; rows without a schema are left
+alone, so constrained and free rows share a batch. The reported logprob stays the raw one (before the
+mask, as before temperature and top-p): it is what the trainer's forward pass recomputes.
+
 When the engine shares its PEFT model with a ``GRPOTrainer`` (``LocalBackend``), a training step
 updates the served weights in place: ``mark_adapter_step`` then records the new step, with no reload.
 """
@@ -25,6 +30,7 @@ from typing import Any, Literal
 import torch
 
 from ..errors import EngineError
+from ._structured import JsonSchemaGuide, advance, allowed_tokens
 from .base import EngineOutput, SamplingParams, check_adapter_path
 
 __all__ = ["TransformersEngine"]
@@ -35,6 +41,8 @@ class _Row:
     prompt: list[int]
     params: SamplingParams
     generator: torch.Generator | None
+    matcher: Any = None
+    """llguidance matcher when the row follows a JSON schema (``params.json_schema``), else None."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[dict[int, float]] = field(default_factory=list)
@@ -74,6 +82,7 @@ class TransformersEngine:
         self._serving: asyncio.Event | None = None  # cleared while paused
         self._idle: asyncio.Event | None = None  # set when no batch is running
         self._closed = False
+        self._guide: JsonSchemaGuide | None = None  # built on the first request with a JSON schema
         self.stats = {"batches": 0, "rows": 0, "tokens": 0}
         """Counters since start: decode loops run, sequences decoded, tokens sampled."""
 
@@ -108,6 +117,8 @@ class TransformersEngine:
         self._ensure_worker()
         if not prompt_token_ids:
             raise EngineError("the prompt is empty: render the chat template before calling the engine")
+        if params.json_schema is not None:  # compile now: a schema llguidance refuses fails this request only
+            await asyncio.to_thread(self._json_guide().check, params.json_schema)
         future: asyncio.Future[list[EngineOutput]] = asyncio.get_running_loop().create_future()
         self._queue.append(_Pending(list(prompt_token_ids), params, future, time.perf_counter()))
         assert self._wakeup is not None
@@ -236,7 +247,8 @@ class TransformersEngine:
                 generator = None
                 if p.seed is not None:
                     generator = torch.Generator().manual_seed(p.seed * 1_000_003 + k)
-                rows.append(_Row(prompt, p, generator))
+                matcher = self._json_guide().matcher(p.json_schema) if p.json_schema is not None else None
+                rows.append(_Row(prompt, p, generator, matcher))
         step = self._adapter_step
         self._decode(rows)
         self.stats["batches"] += 1
@@ -285,7 +297,13 @@ class TransformersEngine:
         for i, row in enumerate(rows):
             if row.finish:
                 continue  # finished rows ride along (static batch) with a pad token
-            token = _choose(logprobs[i], row.params, row.generator)
+            candidates = logprobs[i]  # [V]
+            if row.matcher is not None:  # sample among the tokens the schema allows; report the raw logprob
+                allowed = allowed_tokens(row.matcher, candidates.numel())  # [V] bool
+                candidates = candidates.masked_fill(~allowed, float("-inf"))
+            token = _choose(candidates, row.params, row.generator)
+            if row.matcher is not None:
+                advance(row.matcher, token)
             chosen[i] = token
             row.tokens.append(token)
             row.logprobs.append(logprobs[i, token].item())
@@ -297,6 +315,14 @@ class TransformersEngine:
             elif len(row.tokens) >= row.params.max_tokens:
                 row.finish = "length"
         return chosen
+
+    def _json_guide(self) -> JsonSchemaGuide:
+        if self._guide is None:
+            config = getattr(self.model, "config", None)
+            # The mask must cover every id the tokenizer can produce and every logit the model emits.
+            vocab_size = max(getattr(config, "vocab_size", 0) or 0, len(self.tokenizer))
+            self._guide = JsonSchemaGuide(self.tokenizer, vocab_size=vocab_size, stop_ids=self.stop_ids)
+        return self._guide
 
     def _hit_stop_string(self, row: _Row) -> bool:
         if not row.params.stop:
