@@ -19,6 +19,7 @@ from .types import CallRecord, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from .backends.local import LocalBackend
+    from .gateway.records import ExchangeRecord
 
 __all__ = ["TrainableModel"]
 
@@ -111,13 +112,32 @@ class TrainableModel:
         """The gateway's OpenAI base URL (``http://127.0.0.1:PORT/v1``), for any OpenAI-compatible client."""
         return self.backend._gateway(self).base_url
 
+    @property
+    def api_key(self) -> str | None:
+        """The key the gateway wants in ``Authorization: Bearer``; None when it listens on loopback only."""
+        return self.backend._gateway(self).settings.api_key
+
     def rollout_base_url(self, rollout_id: str) -> str:
         """A base URL whose calls the gateway records under ``rollout_id``."""
         return self.backend._gateway(self).rollout_base_url(rollout_id)
 
     def rollout_calls(self, rollout_id: str) -> list[CallRecord]:
         """The token-exact records of a rollout's calls, oldest first, ready for ``Trajectory.calls``."""
-        return [r.to_call_record() for r in self.backend._gateway(self).records.for_rollout(rollout_id)]
+        return [r.to_call_record() for r in self.rollout_records(rollout_id)]
+
+    def rollout_records(self, rollout_id: str) -> list[ExchangeRecord]:
+        """The gateway's full records of a rollout's calls (conversation, reply, tokens), oldest first."""
+        return self.backend._gateway(self).records.for_rollout(rollout_id)
+
+    def rollout_trajectory(self, rollout_id: str, **fields: Any) -> Trajectory:
+        """The rollout rebuilt from its records, one history per distinct context (see ``art_core.trajectories``).
+
+        Raises:
+            TrajectoryError: the rollout made no call to this model.
+        """
+        from .trajectories import trajectory_from_records
+
+        return trajectory_from_records(self.rollout_records(rollout_id), **fields)
 
     @property
     def model_dir(self) -> Path:

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from .errors import TrajectoryError
 
@@ -97,6 +97,8 @@ class CallRecord(_Model):
     request_id: str | None = None
     """Id of the gateway record this call came from."""
     rollout_id: str | None = None
+    caller: str | None = None
+    """Which part of the agent made the call: a LangGraph node, an Agents SDK agent's name."""
 
     @model_validator(mode="after")
     def _lengths_match(self) -> CallRecord:
@@ -139,6 +141,19 @@ class Trajectory(_Model):
     """Free-text notes: judge explanations, errors caught during the run."""
     additional_histories: list[History] = Field(default_factory=list)
     """Other contexts of the same run, each trained on as its own sample(s)."""
+    _final_state: Any = PrivateAttr(default=None)
+
+    @property
+    def final_state(self) -> Any:
+        """What the run ended with (a graph's final state, an agent's final output), for reward functions.
+
+        Kept in memory only: it is not serialised with the trajectory.
+        """
+        return self._final_state
+
+    @final_state.setter
+    def final_state(self, value: Any) -> None:
+        self._final_state = value
 
     @field_validator("messages", mode="before")
     @classmethod

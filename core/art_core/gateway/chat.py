@@ -40,7 +40,7 @@ from .schemas import (
     Usage,
 )
 from .served import check_model
-from .state import GatewayState, get_state, rollout_scope
+from .state import GatewayState, call_caller, get_state, rollout_scope
 from .streaming import StreamedChoice, sse_chunks
 from .tokens import Detokenizer, render_prompt, template_message
 from .tool_calls import ParsedToolCall, format_tool_call_id, parse_tool_calls
@@ -66,7 +66,8 @@ class _Answer:
 
 @router.post("/chat/completions")
 async def chat_completions(
-    request: Request, state: GatewayState = Depends(get_state), rollout_id: str | None = Depends(rollout_scope)
+    request: Request, state: GatewayState = Depends(get_state), rollout_id: str | None = Depends(rollout_scope),
+    caller: str | None = Depends(call_caller),
 ) -> Response:
     """OpenAI's chat completions, served by the engine and recorded token-exactly."""
     started = time.perf_counter()
@@ -90,12 +91,16 @@ async def chat_completions(
     # --- per choice: decode, parse, record (on disk before the client hears back) ---
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     answers = [_answer(out, state.detokenizer, params.stop, tool_names) for out in outputs]
-    for index, (out, answer) in enumerate(zip(outputs, answers, strict=True)):
+    replies = [_message(answer) for answer in answers]
+    chat_messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    for index, (out, answer, reply) in enumerate(zip(outputs, answers, replies, strict=True)):
         state.records.add(ExchangeRecord(
             request_id=request_id, choice_index=index, rollout_id=rollout_id, created=created, model=body.model,
             adapter_step=out.adapter_step, request=raw, prompt_token_ids=prompt_ids,
             completion_token_ids=list(out.token_ids), logprobs=list(out.logprobs), finish_reason=answer.finish_reason,
             timings={"wait": waited, **out.timings, "total": time.perf_counter() - started},
+            messages=chat_messages, tools=raw["tools"] if offer_tools else [],
+            reply=reply.model_dump(exclude_none=True), caller=caller,
         ))
     metrics = state.metrics
     metrics.completions += 1
@@ -116,8 +121,9 @@ async def chat_completions(
                   "system_fingerprint": fingerprint}
         streamed = [
             StreamedChoice(index=i, token_ids=list(out.token_ids), text=a.text, finish_reason=a.finish_reason,
-                           logprobs=[e.model_dump() for e in lp] if lp is not None else None, tool_names=tool_names)
-            for i, (out, a, lp) in enumerate(zip(outputs, answers, logprobs, strict=True))
+                           logprobs=[e.model_dump() for e in lp] if lp is not None else None, tool_names=tool_names,
+                           tool_call_ids=[call.id for call in reply.tool_calls or []])
+            for i, (out, a, lp, reply) in enumerate(zip(outputs, answers, logprobs, replies, strict=True))
         ]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = sse_chunks(streamed, detokenizer=state.detokenizer, header=header,
@@ -126,9 +132,9 @@ async def chat_completions(
     completion = ChatCompletion(
         id=request_id, created=int(created), model=body.model, usage=usage, system_fingerprint=fingerprint,
         choices=[
-            Choice(index=i, message=_message(a), finish_reason=a.finish_reason,  # type: ignore[arg-type]
+            Choice(index=i, message=reply, finish_reason=a.finish_reason,  # type: ignore[arg-type]
                    logprobs=ChoiceLogprobs(content=lp) if lp is not None else None)
-            for i, (a, lp) in enumerate(zip(answers, logprobs, strict=True))
+            for i, (a, lp, reply) in enumerate(zip(answers, logprobs, replies, strict=True))
         ],
     )
     return JSONResponse(completion.model_dump())

@@ -58,6 +58,15 @@ class ExchangeRecord(BaseModel):
     """As returned to the client: ``stop``, ``length`` or ``tool_calls``."""
     timings: dict[str, float] = Field(default_factory=dict)
     """Seconds: ``wait`` (held while paused), ``queue`` and ``generate`` (engine), ``total`` (request)."""
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    """The conversation in chat-completions format, as rendered into the prompt (a Responses request's
+    input items converted): what a trajectory is rebuilt from, whichever endpoint the call used."""
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    """Chat-format function-tool schemas the prompt offered (empty when none, or ``tool_choice="none"``)."""
+    reply: dict[str, Any] = Field(default_factory=dict)
+    """The assistant message as answered: ``role``, ``content`` and ``tool_calls`` with the ids the client got."""
+    caller: str | None = None
+    """Which part of the agent made the call (``X-Art-Caller`` header: a graph node, an agent's name)."""
 
     def to_call_record(self) -> CallRecord:
         """The token-exact part a ``Trajectory`` carries in ``calls`` (``request_id`` links back here)."""
@@ -69,6 +78,7 @@ class ExchangeRecord(BaseModel):
             finish_reason=self.finish_reason,
             request_id=self.request_id,
             rollout_id=self.rollout_id,
+            caller=self.caller,
         )
 
 

@@ -48,7 +48,7 @@ from .errors import APIError
 from .records import ExchangeRecord
 from .schemas import ChatCompletionRequest, FunctionDefinition, JsonSchemaFormat, TokenLogprob
 from .served import check_model
-from .state import GatewayState, get_state, rollout_scope
+from .state import GatewayState, call_caller, get_state, rollout_scope
 from .streaming import _sse
 from .tokens import Detokenizer, render_prompt, template_message
 from .tool_calls import ContentDelta, ToolCallStream, format_tool_call_id
@@ -264,7 +264,8 @@ class ResponseObject(BaseModel):
 
 @router.post("/responses")
 async def create_response(
-    request: Request, state: GatewayState = Depends(get_state), rollout_id: str | None = Depends(rollout_scope)
+    request: Request, state: GatewayState = Depends(get_state), rollout_id: str | None = Depends(rollout_scope),
+    caller: str | None = Depends(call_caller),
 ) -> Response:
     """OpenAI's Responses API, served by the engine and recorded token-exactly."""
     started = time.perf_counter()
@@ -297,11 +298,18 @@ async def create_response(
     (out,) = outputs
     answer = _answer(out, state.detokenizer, params.stop, tool_names)
     response_id = f"resp_{uuid.uuid4().hex}"
+    call_ids = [format_tool_call_id() for _ in answer.tool_calls]
+    reply: dict[str, Any] = {"role": "assistant", "content": answer.content}
+    if call_ids:
+        reply["tool_calls"] = [{"id": call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                               for call_id, c in zip(call_ids, answer.tool_calls, strict=True)]
     state.records.add(ExchangeRecord(
         request_id=response_id, rollout_id=rollout_id, created=created, endpoint="responses", model=body.model,
         adapter_step=out.adapter_step, request=raw, prompt_token_ids=prompt_ids,
         completion_token_ids=list(out.token_ids), logprobs=list(out.logprobs), finish_reason=answer.finish_reason,
         timings={"wait": waited, **out.timings, "total": time.perf_counter() - started},
+        messages=[m.model_dump(exclude_none=True) for m in chat.messages], tools=chat_tools if offer_tools else [],
+        reply={k: v for k, v in reply.items() if v is not None}, caller=caller,
     ))
     metrics = state.metrics
     metrics.completions += 1
@@ -314,7 +322,7 @@ async def create_response(
     # --- answer ---
     want_logprobs = _LOGPROBS in (body.include or ())
     logprobs = _logprob_entries(out, state.detokenizer, body.top_logprobs or 0) if want_logprobs else []
-    response = _response_object(body, raw, response_id=response_id, created=created, answer=answer,
+    response = _response_object(body, raw, response_id=response_id, created=created, answer=answer, call_ids=call_ids,
                                 logprobs=logprobs, params=params, usage=(len(prompt_ids), len(out.token_ids)))
     if body.stream:
         deltas = _content_deltas(out, answer.text, answer.content, state.detokenizer, tool_names, logprobs)
@@ -436,7 +444,7 @@ def _as_chat_request(
 
 def _response_object(
     body: ResponsesRequest, raw: dict[str, Any], *, response_id: str, created: float, answer: _Answer,
-    logprobs: list[TokenLogprob], params: SamplingParams, usage: tuple[int, int],
+    call_ids: list[str], logprobs: list[TokenLogprob], params: SamplingParams, usage: tuple[int, int],
 ) -> ResponseObject:
     """The Response: a message when the model wrote text (or nothing at all), then its calls, plus the echoes."""
     incomplete = answer.finish_reason == "length"
@@ -444,8 +452,8 @@ def _response_object(
     if answer.content is not None:  # None only when the model called tools and wrote no text
         output.append(OutputMessage(id=f"msg_{uuid.uuid4().hex}", status="incomplete" if incomplete else "completed",
                                     content=[OutputText(text=answer.content, logprobs=logprobs)]))
-    output += [OutputFunctionCall(id=f"fc_{uuid.uuid4().hex}", call_id=format_tool_call_id(), name=call.name,
-                                  arguments=call.arguments) for call in answer.tool_calls]
+    output += [OutputFunctionCall(id=f"fc_{uuid.uuid4().hex}", call_id=call_id, name=call.name,
+                                  arguments=call.arguments) for call_id, call in zip(call_ids, answer.tool_calls, strict=True)]
     prompt_tokens, completion_tokens = usage
     text = raw.get("text") or {}
     return ResponseObject(

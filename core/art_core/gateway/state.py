@@ -15,7 +15,12 @@ from .records import RecordStore
 from .settings import GatewaySettings
 from .tokens import Detokenizer
 
-__all__ = ["ROLLOUT_ID_PATTERN", "GatewayState", "check_rollout_id", "get_state", "rollout_scope"]
+__all__ = ["CALLER_HEADER", "ROLLOUT_ID_PATTERN", "GatewayState", "call_caller", "check_rollout_id", "get_state",
+           "rollout_scope"]
+
+CALLER_HEADER = "X-Art-Caller"
+"""Names the part of an agent that made a call (a graph node, an agent); kept in the call's record."""
+_CALLER = re.compile(r"^[^\x00-\x1f\x7f]{1,200}$")
 
 ROLLOUT_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 """Letters, digits, ``.``, ``_`` and ``-``: safe in URLs, file names and log lines."""
@@ -67,3 +72,18 @@ def rollout_scope(request: Request) -> str | None:
             param="rollout_id", code="invalid_rollout_id",
         )
     return from_path if from_path is not None else from_header
+
+
+def call_caller(request: Request) -> str | None:
+    """The ``X-Art-Caller`` header: which part of the agent made the call (1-200 printable characters).
+
+    Raises:
+        APIError: 400 when the header is empty, too long or holds control characters.
+    """
+    value = request.headers.get(CALLER_HEADER)
+    if value is None:
+        return None
+    if not _CALLER.fullmatch(value):
+        raise APIError(400, f"the {CALLER_HEADER} header {value[:60]!r} is invalid: send 1-200 printable characters",
+                       param=CALLER_HEADER, code="invalid_caller")
+    return value

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .tokens import Detokenizer
@@ -35,6 +35,8 @@ class StreamedChoice:
     """OpenAI token entries, one per visible token, or None when the client did not ask."""
     tool_names: list[str] | None
     """Tools offered (tool calls are parsed); None: the text is all content."""
+    tool_call_ids: list[str] = field(default_factory=list)
+    """Ids of the parsed tool calls, in order (the ones the record holds)."""
 
 
 def _sse(data: dict[str, Any] | str) -> bytes:
@@ -67,7 +69,7 @@ async def sse_chunks(
 
     for choice in choices:
         yield chunk(choice.index, {"role": "assistant", "content": ""})
-        parser = ToolCallStream(tool_names=choice.tool_names) if choice.tool_names is not None else None
+        parser = ToolCallStream(tool_names=choice.tool_names, call_ids=choice.tool_call_ids) if choice.tool_names is not None else None
         entries = choice.logprobs or []
         pending: list[dict[str, Any]] = []  # logprob entries of tokens whose text has not gone out yet
         used = 0

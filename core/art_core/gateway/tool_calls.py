@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -172,13 +172,17 @@ class ToolCallStream:
     Args:
         tool_names: As in ``parse_tool_calls``. Default: None.
         style: As in ``parse_tool_calls``. Default: ``"auto"``.
+        call_ids: ids for the calls in order (so a stream can carry the ids a record already holds);
+            new ones are made when absent or used up. Default: None.
 
     Raises:
         ConfigError: ``style`` is not one of the four names.
     """
 
-    def __init__(self, *, tool_names: Collection[str] | None = None, style: ToolCallStyle = "auto") -> None:
+    def __init__(self, *, tool_names: Collection[str] | None = None, style: ToolCallStyle = "auto",
+                 call_ids: Sequence[str] | None = None) -> None:
         _check_style(style)
+        self._call_ids = list(call_ids or ())
         self._tool_names = tool_names
         self._style: ToolCallStyle = style
         # "undecided" until the first non-blank text shows which path applies; then "markup" (scan for
@@ -271,7 +275,8 @@ class ToolCallStream:
         return [self._call_event(call)]
 
     def _call_event(self, call: ParsedToolCall) -> ToolCallComplete:
-        event = ToolCallComplete(self._calls_sent, format_tool_call_id(), call.name, call.arguments)
+        call_id = self._call_ids[self._calls_sent] if self._calls_sent < len(self._call_ids) else format_tool_call_id()
+        event = ToolCallComplete(self._calls_sent, call_id, call.name, call.arguments)
         self._calls_sent += 1
         return event
 

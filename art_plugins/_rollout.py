@@ -1,0 +1,130 @@
+"""One captured agent run: the scope the adapters open, and what they share.
+
+    scope = RolloutScope(model, framework="langgraph")
+    async with scope:               # calls for the trainable model now go to the rollout's gateway URL
+        state = await graph.ainvoke(...)
+    trajectory = scope.trajectory(final_state=state)
+    await score(trajectory, reward)
+
+The trajectory is rebuilt from the gateway's records of the rollout (``art_core.trajectories``), so every
+trainable call in it is token-exact by construction.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from types import TracebackType
+from typing import Any
+
+from art_core import TrainableModel, Trajectory
+from art_core.errors import ArtError, ConfigError
+from art_core.trajectories import trajectory_from_records
+
+from ._routing import Route, routed
+
+__all__ = ["NoTrainableCallsError", "RewardFn", "RolloutScope", "score"]
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[[Trajectory, Any], float | Awaitable[float]]
+"""``reward(trajectory, final_state) -> float``, plain or async."""
+
+
+class NoTrainableCallsError(ArtError):
+    """A rollout finished without calling the trainable model: there is nothing to train on."""
+
+
+class RolloutScope:
+    """Routes the trainable model's calls to the gateway under a fresh rollout id, as a (sync or async) context.
+
+    Args:
+        model: the registered ``TrainableModel``.
+        model_names: the names the agent uses for the model; its calls naming any of them are routed.
+            Default: the model's own name.
+        framework: recorded in ``metadata["framework"]``.
+        caller: returns the label of the part of the agent making the current call (stored per call).
+        rollout_id: default: a new random id.
+    """
+
+    def __init__(self, model: TrainableModel, *, model_names: Iterable[str] | None = None, framework: str,
+                 caller: Callable[[], str | None] | None = None, rollout_id: str | None = None) -> None:
+        names = frozenset(model_names) if model_names is not None else frozenset({model.name})
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise ConfigError(f"model_names must be non-empty strings, got {sorted(map(repr, names))}")
+        self.model = model
+        self.framework = framework
+        self.rollout_id = rollout_id or f"{framework}-{uuid.uuid4().hex[:16]}"
+        gateway_url = model.rollout_base_url(self.rollout_id)  # validates the id; raises if not registered
+        self.route = Route(model_names=names, served_name=model.name, base_url=gateway_url,
+                           api_key=model.api_key, caller=caller)
+        self._scope: Any = None
+
+    def __enter__(self) -> RolloutScope:
+        self._scope = routed(self.route)
+        self._scope.__enter__()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        scope, self._scope = self._scope, None
+        if scope is not None:
+            scope.__exit__(exc_type, exc, tb)
+
+    async def __aenter__(self) -> RolloutScope:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+    def trajectory(self, *, final_state: Any = None, stop_reason: str | None = None,
+                   metadata: dict[str, Any] | None = None) -> Trajectory:
+        """The run as a trajectory: histories from the gateway's records, the final state attached.
+
+        Args:
+            final_state: what the run ended with (kept in memory on ``trajectory.final_state``).
+            stop_reason: why the run stopped early (``"recursion_limit"``, ``"timeout"``, ``"max_turns"``...);
+                the trajectory is then marked ``metadata["truncated"] = True``.
+            metadata: more labels.
+
+        Raises:
+            NoTrainableCallsError: the run never called the trainable model (the message lists what it called).
+        """
+        records = self.model.rollout_records(self.rollout_id)
+        if not records:
+            seen = ", ".join(f"{name!r} ({count}x)" for name, count in self.route.models_seen.items()) or "none"
+            raise NoTrainableCallsError(
+                f"rollout {self.rollout_id} never called the trainable model (routed names: "
+                f"{sorted(self.route.model_names)}); models called over the OpenAI API: {seen}. Construct the "
+                "agent's chat model with one of the routed names, or pass model_names=[...] naming the one it uses")
+        labels: dict[str, Any] = {"framework": self.framework, "rollout_id": self.rollout_id,
+                                  "truncated": stop_reason is not None}
+        if stop_reason is not None:
+            labels["stop_reason"] = stop_reason
+        trajectory = trajectory_from_records(records, metadata={**labels, **(metadata or {})})
+        trajectory.final_state = final_state
+        return trajectory
+
+
+async def score(trajectory: Trajectory, reward: RewardFn | None) -> Trajectory:
+    """Set ``trajectory.reward`` from ``reward(trajectory, trajectory.final_state)`` (plain or async).
+
+    A reward function that raises does not end the group: the error goes to ``trajectory.logs`` and
+    ``metadata["reward_error"]``, the reward stays as it was, and a warning is logged.
+    """
+    if reward is None:
+        return trajectory
+    try:
+        value = reward(trajectory, trajectory.final_state)
+        if inspect.isawaitable(value):
+            value = await value
+        trajectory.reward = float(value)
+    except Exception as exc:  # the user's code: record it on the trajectory, keep the group going
+        message = f"{type(exc).__name__}: {exc}"
+        logger.warning("reward function failed on trajectory %s: %s", trajectory.id, message)
+        trajectory.logs.append(f"reward function raised {message}")
+        trajectory.metadata["reward_error"] = message
+    return trajectory

@@ -1,0 +1,171 @@
+"""Send an agent's calls for the trainable model to the gateway, only inside a rollout scope.
+
+Agents build their OpenAI clients themselves (``ChatOpenAI(model=...)``, ``AsyncOpenAI()`` inside the
+Agents SDK), often before any rollout starts, and we may not change their code. Every such client sends
+through ``httpx.Client.send`` / ``AsyncClient.send`` (``httpx2`` for openai>=3), so that is where a
+request can be redirected without touching the client: while a ``Route`` is current (a context
+variable, so concurrent rollouts and other threads never see each other's), a POST to
+``.../chat/completions`` or ``.../responses`` whose JSON names one of the route's models goes to the
+rollout's gateway URL instead, with the gateway's key. Everything else passes through untouched.
+
+The wrapper is installed when the first scope opens and removed when the last one closes: outside every
+scope the classes are exactly as the libraries shipped them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import threading
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+from art_core.gateway.state import CALLER_HEADER
+
+__all__ = ["Route", "current_route", "routed"]
+
+_ENDPOINTS = ("/chat/completions", "/responses")
+# Headers that belong to the original destination or are recomputed for the new body.
+_DROPPED_HEADERS = frozenset({"host", "content-length", "authorization", "api-key", "x-api-key", "transfer-encoding"})
+
+
+@dataclass(eq=False)
+class Route:
+    """Where one rollout's calls for the trainable model go, and what the scope saw.
+
+    Args:
+        model_names: model strings that mean the trainable model (the agent's own names for it).
+        served_name: the name the gateway serves it under (request bodies are rewritten to it).
+        base_url: the rollout's gateway base URL (``.../rollouts/{id}/v1``).
+        api_key: the gateway's key, or None when it needs none.
+        caller: returns the label of the part of the agent making the current call (a graph node), or None.
+    """
+
+    model_names: frozenset[str]
+    served_name: str
+    base_url: str
+    api_key: str | None = None
+    caller: Callable[[], str | None] | None = None
+    models_seen: dict[str, int] = field(default_factory=dict)
+    """Every model named in a JSON POST made in the scope (any provider), with its number of calls."""
+    routed_calls: int = 0
+
+    def rewrite(self, request: Any) -> Any:
+        """The request to send instead of ``request`` (the same object when it is not for the trainable model)."""
+        if request.method != "POST" or "json" not in request.headers.get("content-type", ""):
+            return request
+        try:
+            body = json.loads(request.content)
+        except Exception:  # a streamed or non-JSON body: no model call we can see or route
+            return request
+        model = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(model, str):
+            return request
+        # Any provider's model call counts here (Anthropic's /v1/messages too), for the "never called" error.
+        self.models_seen[model] = self.models_seen.get(model, 0) + 1
+        path = request.url.path
+        endpoint = next((e for e in _ENDPOINTS if path.endswith(e)), None)
+        if endpoint is None or model not in self.model_names:
+            return request
+        self.routed_calls += 1
+        content = request.content
+        if model != self.served_name:
+            body["model"] = self.served_name
+            content = json.dumps(body).encode()
+        headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() not in _DROPPED_HEADERS]
+        if self.api_key is not None:
+            headers.append(("authorization", f"Bearer {self.api_key}"))
+        label = self.caller() if self.caller is not None else None
+        if label:
+            headers.append((CALLER_HEADER, quote(label, safe=" !#$&'()*+,./:;=?@[]^_`{|}~-")))
+        return type(request)(request.method, self.base_url + endpoint, headers=headers, content=content,
+                             extensions=request.extensions)
+
+
+_current: ContextVar[Route | None] = ContextVar("art_plugins_route", default=None)
+
+
+def current_route() -> Route | None:
+    """The route of the rollout scope the caller is in, if any."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def routed(route: Route) -> Iterator[Route]:
+    """Make ``route`` current for the code inside (and the tasks and threads it starts with copied context)."""
+    _install()
+    token = _current.set(route)
+    try:
+        yield route
+    finally:
+        _current.reset(token)
+        _uninstall()
+
+
+# --- the scoped wrappers ------------------------------------------------------------------------------
+# Installed by reference count: the first open scope installs, the last one to close restores the originals.
+
+_lock = threading.Lock()
+_open_scopes = 0
+_originals: list[tuple[type, Callable[..., Any], Callable[..., Any]]] = []  # (class, original send, wrapper)
+
+
+def _client_classes() -> list[tuple[type, bool]]:
+    found = []
+    for module_name in ("httpx", "httpx2"):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        found += [(module.Client, False), (module.AsyncClient, True)]
+    return found
+
+
+def _wrap(original: Callable[..., Any], is_async: bool) -> Callable[..., Any]:
+    if is_async:
+        async def send_async(self: Any, request: Any, **kwargs: Any) -> Any:
+            route = _current.get()
+            return await original(self, route.rewrite(request) if route is not None else request, **kwargs)
+        return send_async
+
+    def send(self: Any, request: Any, **kwargs: Any) -> Any:
+        route = _current.get()
+        return original(self, route.rewrite(request) if route is not None else request, **kwargs)
+    return send
+
+
+def _install() -> None:
+    global _open_scopes
+    with _lock:
+        _open_scopes += 1
+        if _open_scopes > 1:
+            return
+        for cls, is_async in _client_classes():
+            original = cls.send
+            wrapper = _wrap(original, is_async)
+            cls.send = wrapper  # type: ignore[method-assign]
+            _originals.append((cls, original, wrapper))
+
+
+def _uninstall() -> None:
+    global _open_scopes
+    with _lock:
+        _open_scopes -= 1
+        if _open_scopes > 0:
+            return
+        for cls, original, wrapper in _originals:
+            # If someone wrapped ours meanwhile, restoring would drop their wrapper: ours then stays, inert
+            # (with no route current it passes every request through unchanged).
+            if cls.send is wrapper:
+                cls.send = original  # type: ignore[method-assign]
+        _originals.clear()
+
+
+def installed() -> bool:
+    """Whether the wrappers are in place (some scope is open); for tests and debugging."""
+    with _lock:
+        return _open_scopes > 0

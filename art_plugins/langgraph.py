@@ -1,0 +1,188 @@
+"""Train the model inside an unmodified LangGraph graph.
+
+    from art_plugins.langgraph import trainable
+
+    agent = trainable(graph, model)                     # graph: any compiled LangGraph graph
+    trajectory = await agent.rollout({"messages": [("user", "What is 17*23?")]}, reward=my_reward)
+    group = await agent.group(task_input, n=8, reward=my_reward)   # 8 rollouts side by side
+    await model.train([group])
+
+The graph's nodes build their chat models as usual (``ChatOpenAI(model="agent")``,
+``init_chat_model("openai:agent")``). While a rollout runs, requests naming the trainable model go to the
+gateway under the rollout's id; every other model (a judge, a hosted model in another node) is called
+as before. Each routed call is labelled with the LangGraph node that made it.
+
+``rollout`` runs the graph with ``astream`` by default (so a run stopped by its step or time limit keeps
+its last state); ``method="ainvoke"``, ``"invoke"`` or ``"astream_events"`` run it those ways. To drive
+the graph yourself, open the scope: ``with agent.capture() as run: graph.invoke(...)``, then
+``run.trajectory(final_state=...)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any, Literal, TypeVar, overload
+
+from art_core import TrainableModel, Trajectory, TrajectoryGroup
+from art_core.errors import ConfigError
+
+from ._rollout import NoTrainableCallsError, RewardFn, RolloutScope, score
+
+__all__ = ["NoTrainableCallsError", "TrainableGraph", "trainable"]
+
+Method = Literal["astream", "ainvoke", "invoke", "astream_events"]
+_METHODS = ("astream", "ainvoke", "invoke", "astream_events")
+G = TypeVar("G")
+
+
+def _current_node() -> str | None:
+    """The LangGraph node running the current call: LangChain keeps the node's config in a context variable."""
+    from langchain_core.runnables.config import var_child_runnable_config
+
+    config = var_child_runnable_config.get()
+    if not config:
+        return None
+    node = (config.get("metadata") or {}).get("langgraph_node")
+    return str(node) if node is not None else None
+
+
+class TrainableGraph:
+    """A compiled graph whose calls to ``model`` are captured as trajectories.
+
+    Args:
+        graph: a compiled LangGraph graph (anything with ``ainvoke``/``astream``).
+        model: the registered ``TrainableModel``.
+        model_names: the model names the graph's chat models use for the trainable model. Default: ``model.name``.
+        recursion_limit: LangGraph's step limit per run; a run that reaches it is kept, marked truncated.
+        timeout: seconds per run; a run that exceeds it is cancelled and kept, marked truncated.
+    """
+
+    def __init__(self, graph: Any, model: TrainableModel, *, model_names: Iterable[str] | None = None,
+                 recursion_limit: int | None = None, timeout: float | None = None) -> None:
+        if not hasattr(graph, "astream") or not hasattr(graph, "ainvoke"):
+            raise ConfigError(f"trainable() needs a compiled LangGraph graph, got {type(graph).__name__}: call "
+                              ".compile() on a StateGraph first")
+        if not isinstance(model, TrainableModel):
+            raise ConfigError(f"trainable() needs a TrainableModel, got {type(model).__name__}")
+        self.graph = graph
+        self.model = model
+        self.model_names = frozenset(model_names) if model_names is not None else frozenset({model.name})
+        self.recursion_limit = recursion_limit
+        self.timeout = timeout
+
+    def __repr__(self) -> str:
+        return f"TrainableGraph({type(self.graph).__name__}, model={self.model.name!r})"
+
+    def capture(self, *, rollout_id: str | None = None) -> RolloutScope:
+        """A scope (``with`` or ``async with``) in which the graph's trainable calls are captured."""
+        return RolloutScope(self.model, model_names=self.model_names, framework="langgraph", caller=_current_node,
+                            rollout_id=rollout_id)
+
+    async def rollout(self, input: Any, *, reward: RewardFn | None = None, config: dict[str, Any] | None = None,
+                      method: Method = "astream", rollout_id: str | None = None) -> Trajectory:
+        """Run the graph once on ``input`` and return the run as a scored trajectory.
+
+        Args:
+            input: the graph's input (e.g. ``{"messages": [...]}``).
+            reward: ``reward(trajectory, final_state) -> float``, plain or async. If it raises, the error is
+                recorded on the trajectory (``logs``, ``metadata["reward_error"]``) and the reward stays 0.
+            config: the graph's ``RunnableConfig`` (``configurable``, ``callbacks``...).
+            method: how the graph is run (see the module docstring).
+            rollout_id: default: a new random id.
+
+        Raises:
+            NoTrainableCallsError: the graph never called the trainable model (the message lists what it called).
+            Exception: whatever the graph raises, except its step limit and the timeout, which end the run
+                early and mark the trajectory ``metadata["truncated"]``.
+        """
+        if method not in _METHODS:
+            raise ConfigError(f"method {method!r} is unknown: use one of {', '.join(_METHODS)}")
+        run_config = dict(config or {})
+        if self.recursion_limit is not None:
+            run_config.setdefault("recursion_limit", self.recursion_limit)
+        from langgraph.errors import GraphRecursionError
+
+        scope = self.capture(rollout_id=rollout_id)
+        progress = _Progress()
+        stop_reason = None
+        async with scope:
+            try:
+                async with asyncio.timeout(self.timeout):
+                    await _run(self.graph, input, run_config, method, progress)
+            except GraphRecursionError:
+                stop_reason = "recursion_limit"
+            except TimeoutError:
+                stop_reason = "timeout"
+        trajectory = scope.trajectory(final_state=progress.state, stop_reason=stop_reason)
+        return await score(trajectory, reward)
+
+    async def group(self, input: Any, *, n: int, reward: RewardFn | None = None, config: dict[str, Any] | None = None,
+                    method: Method = "astream") -> TrajectoryGroup:
+        """``n`` rollouts of the same input run concurrently, as one group for GRPO.
+
+        A rollout that fails is left out and listed in ``group.exceptions``, not raised.
+        """
+        if n < 1:
+            raise ConfigError(f"n is {n}: a group needs at least one rollout (GRPO needs two or more)")
+        results = await asyncio.gather(
+            *(self.rollout(input, reward=reward, config=config, method=method) for _ in range(n)),
+            return_exceptions=True)
+        trajectories = [r for r in results if isinstance(r, Trajectory)]
+        errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)]
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, Exception):
+                raise r  # KeyboardInterrupt, CancelledError: not a rollout failure
+        return TrajectoryGroup(trajectories, exceptions=errors)
+
+
+class _Progress:
+    """The latest graph state a run has shown (kept when the run is cut short)."""
+
+    state: Any = None
+
+
+async def _run(graph: Any, input: Any, config: dict[str, Any], method: Method, progress: _Progress) -> None:
+    if method == "ainvoke":
+        progress.state = await graph.ainvoke(input, config)
+    elif method == "invoke":
+        # to_thread copies the context, so the rollout's route follows the call into the worker thread.
+        progress.state = await asyncio.to_thread(graph.invoke, input, config)
+    elif method == "astream":
+        async for state in graph.astream(input, config, stream_mode="values"):
+            progress.state = state
+    else:
+        async for event in graph.astream_events(input, config, version="v2"):
+            if event["event"] == "on_chain_end" and not event.get("parent_ids"):
+                progress.state = event["data"].get("output")
+
+
+@overload
+def trainable(graph: TrainableModel, model: None = None, *, model_names: Iterable[str] | None = None,
+              recursion_limit: int | None = None, timeout: float | None = None
+              ) -> Callable[[Callable[..., Any]], Callable[..., TrainableGraph]]: ...
+@overload
+def trainable(graph: Any, model: TrainableModel, *, model_names: Iterable[str] | None = None,
+              recursion_limit: int | None = None, timeout: float | None = None) -> TrainableGraph: ...
+def trainable(graph: Any, model: TrainableModel | None = None, *, model_names: Iterable[str] | None = None,
+              recursion_limit: int | None = None, timeout: float | None = None) -> Any:
+    """Wrap a compiled graph (``trainable(graph, model)``), or decorate a function that builds one.
+
+    As a decorator, ``@trainable(model)`` turns ``def build_graph(...) -> CompiledGraph`` into a function
+    returning a ``TrainableGraph``; the builder's own code does not change.
+    """
+    options = {"model_names": model_names, "recursion_limit": recursion_limit, "timeout": timeout}
+    if model is None:
+        if not isinstance(graph, TrainableModel):
+            raise ConfigError("trainable() needs a model: trainable(graph, model), or @trainable(model) on a "
+                              "function that builds the graph")
+        chosen = graph
+
+        def decorate(build: Callable[..., Any]) -> Callable[..., TrainableGraph]:
+            @functools.wraps(build)
+            def build_trainable(*args: Any, **kwargs: Any) -> TrainableGraph:
+                return TrainableGraph(build(*args, **kwargs), chosen, **options)
+            return build_trainable
+        return decorate
+    return TrainableGraph(graph, model, **options)

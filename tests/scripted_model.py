@@ -1,0 +1,107 @@
+"""A tiny real model taught to follow a script: it calls tools when a test's agent needs it to.
+
+Adapter tests need a model that calls the right tool with the right arguments, then answers; the
+embedded SmolLM2-135M rarely calls tools at all, and a random tiny model never does. So the tests fit a
+tiny Qwen2 (a few million parameters, SmolLM2's tokenizer and tool template) to the exact conversations
+they will run: for every assistant turn of a scripted conversation, the prompt is rendered exactly as the
+gateway renders it (``art_core.gateway.tokens.render_prompt`` on ``template_message``s) and the model
+learns to emit that turn (``<tool_call>`` blocks or text, then ``<|im_end|>``) greedily.
+
+The result is a real model on the real engine: real token ids and log-probabilities, real tool-call
+parsing, real LoRA steps. Only its skill is scripted; that stands in for a capable model, which cannot
+run on this machine fast enough. A prompt the script does not cover gets whatever the model makes of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Conversation", "fit_scripted_model"]
+
+Conversation = tuple[list[dict[str, Any]], list[dict[str, Any]]]
+"""``(messages, tools)`` in chat-completions format; each assistant message is a turn the model learns."""
+
+
+def _turns(tokenizer: Any, conversation: Conversation) -> list[tuple[list[int], list[int]]]:
+    from art_core.gateway.tokens import render_prompt, template_message
+
+    messages, tools = conversation
+    rendered = [template_message(m) for m in messages]
+    pairs = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = render_prompt(tokenizer, rendered[:k], tools)
+        full = tokenizer.apply_chat_template(rendered[: k + 1], tools=tools or None, tokenize=True,
+                                             add_generation_prompt=False, return_dict=False)
+        full = list(full["input_ids"] if isinstance(full, dict) else full)
+        assert full[: len(prompt)] == prompt, "the template is not prefix-stable for this conversation"
+        rest = full[len(prompt):]
+        completion = rest[: rest.index(tokenizer.eos_token_id) + 1]
+        pairs.append((prompt, completion))
+    return pairs
+
+
+def fit_scripted_model(base_dir: Path, conversations: Sequence[Conversation], out_root: Path, *,
+                       hidden_size: int = 128, max_steps: int = 600) -> Path:
+    """A tiny Qwen2 in ``out_root/<hash>`` that greedily reproduces every assistant turn of ``conversations``.
+
+    ``base_dir`` supplies the tokenizer (with the tool chat template). Cached by content: the same script
+    is fitted once per ``out_root``.
+    """
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    key = hashlib.sha256(json.dumps([list(conversations), hidden_size], sort_keys=True).encode()).hexdigest()[:16]
+    folder = out_root / f"scripted-{key}"
+    if (folder / "config.json").exists():
+        return folder
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    pairs = [pair for conversation in conversations for pair in _turns(tokenizer, conversation)]
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=2 * hidden_size, tie_word_embeddings=True,
+        max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config)
+        width = max(len(p) + len(c) for p, c in pairs)
+        ids = torch.full((len(pairs), width), config.pad_token_id)
+        labels = torch.full((len(pairs), width), -100)
+        mask = torch.zeros((len(pairs), width), dtype=torch.long)
+        for row, (prompt, completion) in enumerate(pairs):
+            seq = prompt + completion
+            ids[row, : len(seq)] = torch.tensor(seq)
+            labels[row, len(prompt) : len(seq)] = torch.tensor(completion)
+            mask[row, : len(seq)] = 1
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        targets = labels[:, 1:]
+        for _step in range(max_steps):
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                     ignore_index=-100)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            with torch.no_grad():
+                top2 = logits.detach().topk(2, dim=-1)
+                scored = targets != -100
+                right = top2.indices[..., 0] == targets
+                # Every scripted token must win by a clear margin, so greedy decoding is not a coin toss.
+                margin = (top2.values[..., 0] - top2.values[..., 1]) > 2.0
+                if bool((right & margin)[scored].all()):
+                    break
+        else:
+            raise AssertionError(f"the scripted model did not learn its {len(pairs)} turns in {max_steps} steps "
+                                 f"(last loss {loss.item():.3f})")
+    tmp = out_root / f".{folder.name}.tmp"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(folder)
+    return folder
