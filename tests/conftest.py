@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# litellm (the RULER judge client) fetches its price list from the internet on import unless told not to.
+_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
 _env_before_session: dict[str, str | None] = {}
 
 

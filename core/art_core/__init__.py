@@ -10,11 +10,14 @@ from .errors import (
     BaseModelNotFoundError,
     CheckpointError,
     ConfigError,
+    JudgeError,
     LifecycleError,
+    RewardError,
     TrainingError,
     TrajectoryError,
 )
 from .model import TrainableModel
+from .rewards import JudgeUsage, ruler_score_group, score_group
 from .types import (
     CallRecord,
     History,
@@ -35,10 +38,13 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "History",
+    "JudgeError",
+    "JudgeUsage",
     "LifecycleError",
     "LocalBackend",
     "LoraSettings",
     "Message",
+    "RewardError",
     "ToolCall",
     "TrainConfig",
     "TrainableModel",
@@ -47,5 +53,7 @@ __all__ = [
     "TrajectoryError",
     "TrajectoryGroup",
     "read_groups_jsonl",
+    "ruler_score_group",
+    "score_group",
     "write_groups_jsonl",
 ]

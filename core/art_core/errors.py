@@ -7,10 +7,12 @@
     ├── TrainingError            training failed while running
     ├── CheckpointError          a checkpoint is missing, half-written or does not fit the model
     ├── EngineError              an inference engine failed to start, answer or load an adapter
-    └── LifecycleError           an object was used in the wrong state (register twice, use after close)
+    ├── LifecycleError           an object was used in the wrong state (register twice, use after close)
+    └── RewardError              a group could not be scored (empty group, a reward function failed)
+        └── JudgeError           an LLM judge was unreachable, or its answer stayed malformed after repairs
 
 Each message says what happened, the value involved, and how to fix it. Errors from libraries
-(torch, transformers, peft) are re-raised as one of these with the original kept as ``__cause__``.
+(torch, transformers, peft, litellm) are re-raised as one of these with the original kept as ``__cause__``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "EngineError",
+    "JudgeError",
     "LifecycleError",
+    "RewardError",
     "TrainingError",
     "TrajectoryError",
 ]
@@ -57,3 +61,11 @@ class EngineError(ArtError, RuntimeError):
 
 class LifecycleError(ArtError, RuntimeError):
     """An object was used in the wrong state: registered twice, or used after close."""
+
+
+class RewardError(ArtError, RuntimeError):
+    """A group could not be scored: it is empty, or a reward function failed or returned no finite number."""
+
+
+class JudgeError(RewardError):
+    """An LLM judge was unreachable, refused the request, or answered malformed output even after repairs."""

@@ -87,7 +87,8 @@ async def test_reported_logprobs_are_the_raw_ones(engine):
     # The mask decides what may be sampled; the logprob reported is the model's own (what the trainer recomputes).
     import torch
 
-    out, = await engine.generate(PROMPT, SamplingParams(max_tokens=60, temperature=0, json_schema=SCHEMAS["flat object"]))
+    params = SamplingParams(max_tokens=60, temperature=0, json_schema=SCHEMAS["flat object"])
+    out, = await engine.generate(PROMPT, params)
     ids = torch.tensor([PROMPT + out.token_ids])
     with torch.no_grad():
         logp = torch.log_softmax(engine.model(input_ids=ids).logits[0, :-1].float(), -1)

@@ -53,7 +53,8 @@ class JsonSchemaGuide:
         try:
             import llguidance  # noqa: F401  # only to fail early, with the install hint
         except ImportError as exc:
-            raise EngineError(f"a request asked for JSON-schema output, which needs llguidance: {INSTALL_HINT}") from exc
+            raise EngineError(
+                f"a request asked for JSON-schema output, which needs llguidance: {INSTALL_HINT}") from exc
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
