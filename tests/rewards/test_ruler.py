@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 
 import pytest
 from fake_judges import capital_group, score_by_content, trajectory_blocks
 
 from art_core import JudgeError, JudgeUsage, RewardError, ruler_score_group
 from art_core.errors import ConfigError
-from art_core.rewards import step_rewards
+from art_core.rewards import ruler_step_scores
 from art_core.types import Message, Trajectory, TrajectoryGroup
 
 ORIGINAL = [0.5, 1.5, 2.5]  # capital_group's rewards
@@ -173,7 +174,7 @@ async def test_step_rewards(fake_judge, tmp_path):
 
     fake_judge.default = per_step
     scored = await ruler_score_group(group, **judge_kwargs(fake_judge, tmp_path, step_rewards=True))
-    assert [step_rewards(t) for t in scored] == [[0.1, 0.2], [0.1]]
+    assert [ruler_step_scores(t) for t in scored] == [[0.1, 0.2], [0.1]]
     assert scored.trajectories[0].metrics["ruler_step_2"] == 0.2
     steps_schema = fake_judge.requests[0]["response_format"]["json_schema"]["schema"]["properties"]
     assert sorted(s["properties"]["step_scores"]["maxItems"] for s in steps_schema.values()) == [1, 2]
@@ -189,3 +190,10 @@ async def test_additional_histories_reach_the_judge(fake_judge, tmp_path):
     lyon = next(block for block in blocks.values() if "Lyon" in block)
     assert '<additional_history index="1">' in lyon and "atlas says Paris" in lyon
     assert scored.trajectories[1].reward == 1.0  # this judge saw "Paris" in that run's sub-agent history
+
+
+async def test_missing_litellm_names_the_extra(group, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "litellm", None)  # as if not installed
+    with pytest.raises(JudgeError, match=r"art-core\[rewards\]"):
+        await ruler_score_group(group, "openai/judge", cache_dir=None)
+    assert group.rewards == ORIGINAL

@@ -14,7 +14,7 @@ imports neither litellm nor torch; judges need ``pip install 'art-core[rewards]'
 from ._judge import JudgeUsage
 from ._prompt import DEFAULT_RUBRIC
 from .custom import GroupScorer, RewardFn, score_group
-from .ruler import DEFAULT_CACHE, ruler_score_group, step_rewards
+from .ruler import DEFAULT_CACHE, ruler_score_group, ruler_step_scores
 
 __all__ = [
     "DEFAULT_CACHE",
@@ -23,6 +23,6 @@ __all__ = [
     "JudgeUsage",
     "RewardFn",
     "ruler_score_group",
+    "ruler_step_scores",
     "score_group",
-    "step_rewards",
 ]

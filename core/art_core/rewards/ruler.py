@@ -39,7 +39,7 @@ from ._cache import JudgeCache, cache_key, default_cache_dir
 from ._judge import JudgeUsage, call_judge
 from ._prompt import DEFAULT_RUBRIC, JudgePrompt, build_judge_prompt, repair_message
 
-__all__ = ["DEFAULT_CACHE", "ruler_score_group", "step_rewards"]
+__all__ = ["DEFAULT_CACHE", "ruler_score_group", "ruler_step_scores"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ async def ruler_score_group(
             log a warning, count it in ``usage.failures`` and return None instead of raising.
         cache_dir: folder of the on-disk answer cache (default ``DEFAULT_CACHE``); None: no cache.
         step_rewards: also ask for a score per assistant message of each run's main history, stored as
-            ``metrics["ruler_step_{k}"]`` (``k`` from 1) and read back with ``step_rewards(trajectory)``.
+            ``metrics["ruler_step_{k}"]`` (``k`` from 1) and read back with ``ruler_step_scores(trajectory)``.
         explanation_max_chars: ``maxLength`` of each explanation in the answer schema; it bounds what a
             small constrained judge writes. None: unbounded.
         completion_kwargs: more ``litellm.acompletion`` arguments (``temperature``, ``max_tokens``,
@@ -146,7 +146,7 @@ async def ruler_score_group(
     return _scored_copy(group, permutations, answers, judge=judge, spent=spent)
 
 
-def step_rewards(trajectory: Trajectory) -> list[float]:
+def ruler_step_scores(trajectory: Trajectory) -> list[float]:
     """The per-step scores RULER stored with ``step_rewards=True`` (``metrics["ruler_step_{k}"]``), in order.
 
     Step ``k`` is the ``k``-th assistant message of the trajectory's main history. Empty when none were stored.
