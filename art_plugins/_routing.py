@@ -26,7 +26,7 @@ from urllib.parse import quote
 
 from art_core.gateway.state import CALLER_HEADER
 
-__all__ = ["Route", "current_route", "routed"]
+__all__ = ["Route", "current_route", "routed", "wrappers_installed"]
 
 _ENDPOINTS = ("/chat/completions", "/responses")
 # Headers that belong to the original destination or are recomputed for the new body.
@@ -103,6 +103,21 @@ def routed(route: Route) -> Iterator[Route]:
         yield route
     finally:
         _current.reset(token)
+        _uninstall()
+
+
+@contextlib.contextmanager
+def wrappers_installed() -> Iterator[None]:
+    """Keep the wrappers in place without making any route current.
+
+    For work started inside ``routed()`` that outlives it: a task created in the scope copied the route
+    (e.g. the Agents SDK's streamed run), and its calls must still be redirected after the code that
+    started it has left the scope.
+    """
+    _install()
+    try:
+        yield
+    finally:
         _uninstall()
 
 

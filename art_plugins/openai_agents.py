@@ -1,0 +1,648 @@
+"""Train the model inside an unmodified OpenAI Agents SDK agent.
+
+    from art_plugins.openai_agents import TrainableRunner
+
+    runner = TrainableRunner(model)                     # model: a registered TrainableModel
+    result, trajectory = await runner.run(agent, "What is 17*23?", reward=my_reward)
+    group = await runner.group(agent, "What is 17*23?", n=8, reward=my_reward)   # 8 runs side by side
+    await model.train([group])
+
+``run`` takes ``Runner.run``'s arguments and returns its ``RunResult`` beside the run as a scored
+trajectory; ``run_streamed`` is ``Runner.run_streamed`` (read ``stream_events()``, then
+``await streamed.wait()``). To drive the SDK yourself, open ``runner.capture()`` and pass its
+``run_config()`` to ``Runner.run``.
+
+How the agent's calls reach the gateway, with the agent's code unchanged:
+
+- **By model name.** An agent whose ``model=`` names the trainable model (``model.name``, or any of
+  ``model_names``) is served from the rollout's gateway URL: the run's ``RunConfig`` carries a model
+  provider that builds those models, and hands every other name to the provider the run would have used
+  anyway. A ``Model`` object the agent built itself (``OpenAIChatCompletionsModel(model=..., openai_client=...)``)
+  is redirected by name at the HTTP layer (``_routing.py``). To put every agent of a run on the trainable
+  model whatever its ``model=`` says, pass ``run_config=RunConfig(model=model.name)``, as with ``Runner.run``.
+- **Either API.** The Responses API (the SDK's default) or chat completions (``set_default_openai_api``,
+  or ``api="chat_completions"`` here), streamed or not: the gateway records both the same way.
+- **Which agent called.** Every call is labelled with the calling agent's name (``CallRecord.caller``).
+  The label is set by ``RunConfig.call_model_input_filter``, which the SDK runs in the task that makes the
+  model call, just before it (``RunHooks.on_llm_start`` runs in a task of its own, where a context variable
+  would not reach the request). After a handoff the next agent has its own instructions and tools, so its
+  calls form another history of the same trajectory (``art_core.trajectories``).
+- **No tracing.** Runs set ``RunConfig.tracing_disabled``: nothing is exported to OpenAI. With
+  ``tracing=True`` tracing is left as the SDK is configured. Nothing global is changed either way.
+
+How a run ends, and what the trajectory says:
+
+- It finishes: ``(result, trajectory)``; ``trajectory.final_state`` is ``result.final_output`` (the reward
+  function's second argument) and ``metadata["final_output"]`` keeps it as text.
+- The SDK stops it over something the model did: too many turns (``MaxTurnsExceeded``), a call to a tool
+  the agent does not have or output that does not parse (``ModelBehaviorError``), a refusal, a tripped
+  guardrail. The trajectory is kept: ``(None, trajectory)``, marked ``metadata["truncated"]`` with
+  ``metadata["stop_reason"]`` (``"max_turns"``, ``"model_behavior_error"``...) and the error in ``logs``;
+  ``final_state`` is None. An ``error_handlers`` entry that turns the error into a final output gives a
+  normal result, and the trajectory is marked all the same.
+- A tool raises, or the model's arguments do not validate: by default the SDK tells the model and the run
+  goes on. The trajectory's next call shows that message; ``logs`` keep the exception itself and
+  ``metrics["tool_errors"]`` counts them (``RunConfig.tool_error_formatter`` reports them to us; a tool with
+  its own ``failure_error_function`` handles its errors itself).
+- Anything else (a network error, a tool whose ``failure_error_function=None`` lets its error through)
+  raises, as from ``Runner.run``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import inspect
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from contextvars import ContextVar, Token
+from types import AsyncGeneratorType, TracebackType
+from typing import Any, Literal, cast
+
+from pydantic import BaseModel
+
+from art_core import TrainableModel, Trajectory, TrajectoryGroup
+from art_core.errors import ConfigError, LifecycleError
+
+from ._rollout import NoTrainableCallsError, RewardFn, RolloutScope, score
+from ._routing import wrappers_installed
+
+try:
+    import openai
+    from agents import (
+        Agent,
+        InputGuardrailTripwireTriggered,
+        MaxTurnsExceeded,
+        Model,
+        ModelBehaviorError,
+        ModelProvider,
+        ModelRefusalError,
+        OpenAIProvider,
+        OutputGuardrailTripwireTriggered,
+        RunConfig,
+        RunErrorHandlers,
+        RunHooks,
+        Runner,
+        RunResult,
+        RunResultStreaming,
+        RunState,
+        Session,
+        StreamEvent,
+        ToolErrorFormatterArgs,
+        ToolInputGuardrailTripwireTriggered,
+        ToolOutputGuardrailTripwireTriggered,
+        TResponseInputItem,
+    )
+    from agents.models import get_default_model
+    from agents.run_config import DEFAULT_MAX_TURNS, CallModelData, ModelInputData
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("art_plugins.openai_agents needs the OpenAI Agents SDK: pip install openai-agents") from exc
+
+__all__ = ["AgentCapture", "NoTrainableCallsError", "StreamedRun", "TrainableRunner"]
+
+logger = logging.getLogger(__name__)
+
+Api = Literal["responses", "chat_completions"]
+RunInput = str | list[TResponseInputItem] | RunState[Any]
+"""What ``Runner.run`` takes as ``input``: a user message, input items, or a paused run's state."""
+
+# The SDK's errors that end a run over something the model did: the run is kept as a trajectory, marked
+# with the reason, because it is exactly what training should see (and usually penalise).
+_STOP_REASONS: tuple[tuple[type[BaseException], str], ...] = (
+    (MaxTurnsExceeded, "max_turns"),
+    (ModelBehaviorError, "model_behavior_error"),
+    (ModelRefusalError, "model_refusal"),
+    (OutputGuardrailTripwireTriggered, "output_guardrail"),
+    (ToolInputGuardrailTripwireTriggered, "tool_input_guardrail"),
+    (ToolOutputGuardrailTripwireTriggered, "tool_output_guardrail"),
+    (InputGuardrailTripwireTriggered, "input_guardrail"),
+)
+_KEPT_ERRORS = tuple(error for error, _ in _STOP_REASONS)
+# ``error_handlers`` kinds, and the stop reason a handled one leaves on the trajectory.
+_HANDLED_STOP_REASONS = {"max_turns": "max_turns", "model_refusal": "model_refusal",
+                         "invalid_final_output": "model_behavior_error"}
+
+_calling_agent: ContextVar[str | None] = ContextVar("art_plugins_calling_agent", default=None)
+"""Name of the agent whose model call the current task is making (set just before each call)."""
+
+
+class TrainableRunner:
+    """Runs Agents SDK agents with ``model`` in place of the model they name, capturing each run as a trajectory.
+
+    Args:
+        model: the registered ``TrainableModel``.
+        model_names: the model names the agents use for the trainable model (besides ``model.name``, which
+            always means it). Default: none. An agent with no ``model=`` uses the SDK's default model
+            (``agents.models.get_default_model()``): list that name to train in its place.
+        api: ``"responses"`` or ``"chat_completions"`` for the trainable model. Default: the SDK's default
+            API (``set_default_openai_api``), as ``Runner.run`` would use.
+        tracing: False (default) disables the SDK's tracing for these runs, so nothing is exported to
+            OpenAI; True leaves tracing as the SDK is configured.
+        timeout: seconds per ``run``; a run that exceeds it is cancelled and kept, marked truncated
+            (``stop_reason="timeout"``). Default: no limit.
+
+    Raises:
+        ConfigError: an argument is invalid (the message says which).
+    """
+
+    def __init__(self, model: TrainableModel, *, model_names: Iterable[str] | None = None, api: Api | None = None,
+                 tracing: bool = False, timeout: float | None = None) -> None:
+        if not isinstance(model, TrainableModel):
+            raise ConfigError(f"TrainableRunner needs a TrainableModel, got {type(model).__name__}")
+        names = frozenset(model_names or ())
+        if not all(isinstance(n, str) and n for n in names):
+            raise ConfigError(f"model_names must be non-empty strings, got {sorted(map(repr, names))}")
+        if api not in (None, "responses", "chat_completions"):
+            raise ConfigError(f"api is {api!r}: use 'responses', 'chat_completions', or None for the SDK's default")
+        if timeout is not None and not timeout > 0:
+            raise ConfigError(f"timeout is {timeout}: give a positive number of seconds, or None for no limit")
+        self.model = model
+        self.model_names = names | {model.name}
+        self.api = api
+        self.tracing = tracing
+        self.timeout = timeout
+
+    def __repr__(self) -> str:
+        return f"TrainableRunner(model={self.model.name!r}, model_names={sorted(self.model_names)})"
+
+    def capture(self, *, rollout_id: str | None = None) -> AgentCapture:
+        """A scope (``async with``) for driving the SDK yourself; see ``AgentCapture``."""
+        return AgentCapture(self, rollout_id=rollout_id)
+
+    async def run(self, starting_agent: Agent[Any], input: RunInput, *, reward: RewardFn | None = None,
+                  context: Any = None, max_turns: int | None = DEFAULT_MAX_TURNS, hooks: RunHooks[Any] | None = None,
+                  run_config: RunConfig | dict[str, Any] | None = None,
+                  error_handlers: RunErrorHandlers[Any] | None = None, session: Session | None = None,
+                  rollout_id: str | None = None) -> tuple[RunResult | None, Trajectory]:
+        """``Runner.run`` with the trainable model, returning the SDK's result and the run as a scored trajectory.
+
+        Args:
+            starting_agent, input, context, max_turns, hooks, run_config, error_handlers, session: as for
+                ``Runner.run`` (``previous_response_id`` and ``conversation_id`` are left out: the gateway
+                stores no conversations).
+            reward: ``reward(trajectory, final_output) -> float``, plain or async. If it raises, the error is
+                recorded on the trajectory (``logs``, ``metadata["reward_error"]``) and the reward stays 0.
+            rollout_id: default: a new random id.
+
+        Returns:
+            ``(result, trajectory)``; ``result`` is None when the SDK stopped the run over the model's
+            behaviour (the trajectory says why; see the module docstring).
+
+        Raises:
+            NoTrainableCallsError: the run never called the trainable model (the message lists what it called).
+            Exception: what ``Runner.run`` raises, except the errors that end a run over the model's behaviour
+                (re-raised too when the run stopped before any trainable call).
+        """
+        _check_agent(starting_agent)
+        capture = self.capture(rollout_id=rollout_id)
+        result: RunResult | None = None
+        error: BaseException | None = None
+        deadline = asyncio.timeout(self.timeout)
+        async with capture:
+            config, handlers = capture.run_config(run_config), capture.error_handlers(error_handlers)
+            try:
+                async with deadline:
+                    result = await Runner.run(starting_agent, input, context=context, max_turns=max_turns, hooks=hooks,
+                                              run_config=config, error_handlers=handlers, session=session)
+            except _KEPT_ERRORS as exc:
+                error = exc
+            except TimeoutError as exc:
+                if not deadline.expired():
+                    raise  # the agent's own timeout, not ours
+                error = exc
+        if error is not None and not capture.made_calls():
+            raise error
+        last_agent = result.last_agent if result is not None else _last_agent(error)
+        trajectory = capture.trajectory(final_output=result.final_output if result is not None else None,
+                                        last_agent=last_agent, error=error)
+        return result, await score(trajectory, reward)
+
+    def run_streamed(self, starting_agent: Agent[Any], input: RunInput, *, reward: RewardFn | None = None,
+                     context: Any = None, max_turns: int | None = DEFAULT_MAX_TURNS,
+                     hooks: RunHooks[Any] | None = None, run_config: RunConfig | dict[str, Any] | None = None,
+                     error_handlers: RunErrorHandlers[Any] | None = None, session: Session | None = None,
+                     rollout_id: str | None = None) -> StreamedRun:
+        """``Runner.run_streamed`` with the trainable model (call it with an event loop running).
+
+        Read ``stream_events()`` to the end (or ``await streamed.wait()``), then ``streamed.trajectory`` holds
+        the scored run. Arguments and endings are those of ``run``; ``timeout`` does not apply (cancel with
+        ``streamed.result.cancel()``: the trajectory is then marked ``stop_reason="cancelled"``).
+        """
+        _check_agent(starting_agent)
+        capture = self.capture(rollout_id=rollout_id)
+        capture._hold()
+        try:
+            # The SDK starts the run in a task of its own, which copies the current context: the route set
+            # here goes with it, while the caller's own context is left as it was when this returns.
+            config, handlers = capture.run_config(run_config), capture.error_handlers(error_handlers)
+            with capture.scope, _no_label():
+                result = Runner.run_streamed(starting_agent, input, context=context, max_turns=max_turns, hooks=hooks,
+                                             run_config=config, error_handlers=handlers, session=session)
+        except BaseException:
+            capture._held.close()
+            raise
+        return StreamedRun(capture, result, reward)
+
+    async def group(self, starting_agent: Agent[Any], input: RunInput, *, n: int,
+                    reward: RewardFn | None = None, context: Any = None, max_turns: int | None = DEFAULT_MAX_TURNS,
+                    hooks: RunHooks[Any] | None = None, run_config: RunConfig | dict[str, Any] | None = None,
+                    error_handlers: RunErrorHandlers[Any] | None = None) -> TrajectoryGroup:
+        """``n`` runs of the same input, concurrently, as one group for GRPO.
+
+        Every run gets the same ``context`` object (give it no state the runs would share by accident). A run
+        that fails is left out and listed in ``group.exceptions``, not raised.
+        """
+        if n < 1:
+            raise ConfigError(f"n is {n}: a group needs at least one run (GRPO needs two or more)")
+        runs = await asyncio.gather(
+            *(self.run(starting_agent, input, reward=reward, context=context, max_turns=max_turns, hooks=hooks,
+                       run_config=run_config, error_handlers=error_handlers) for _ in range(n)),
+            return_exceptions=True)
+        for r in runs:
+            if isinstance(r, BaseException) and not isinstance(r, Exception):
+                raise r  # KeyboardInterrupt, CancelledError: not a failed run
+        trajectories = [r[1] for r in runs if isinstance(r, tuple)]
+        errors = [f"{type(r).__name__}: {r}" for r in runs if isinstance(r, BaseException)]
+        for message in errors:
+            logger.warning("a run of group failed: %s", message)
+        return TrajectoryGroup(trajectories, exceptions=errors)
+
+
+class AgentCapture:
+    """One captured run: routing to the gateway, the ``RunConfig`` that points the SDK there, what the run reported.
+
+    ``TrainableRunner.run`` uses one per run; use one yourself to call the SDK directly:
+
+        async with runner.capture() as run:
+            result = await Runner.run(agent, "Hi!", run_config=run.run_config())
+        trajectory = run.trajectory(final_output=result.final_output, last_agent=result.last_agent)
+
+    Attributes:
+        rollout_id: the gateway's rollout id for this run's calls.
+        scope: the underlying ``RolloutScope`` (routing by model name, records).
+        tool_errors: one line per tool error the SDK reported to the model.
+    """
+
+    def __init__(self, runner: TrainableRunner, *, rollout_id: str | None = None) -> None:
+        self._runner = runner
+        self.scope = RolloutScope(runner.model, model_names=runner.model_names, framework="openai-agents",
+                                  caller=_calling_agent.get, rollout_id=rollout_id)
+        self.rollout_id = self.scope.rollout_id
+        self.tool_errors: list[str] = []
+        self._handled_stop: str | None = None
+        self._providers: list[_GatewayProvider] = []
+        self._held = contextlib.ExitStack()
+        self._label_token: Token[str | None] | None = None
+
+    async def __aenter__(self) -> AgentCapture:
+        self.scope.__enter__()
+        self._label_token = _calling_agent.set(None)
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if self._label_token is not None:
+            _calling_agent.reset(self._label_token)
+            self._label_token = None
+        self.scope.__exit__(exc_type, exc, tb)
+        await self._close_providers()
+
+    def run_config(self, base: RunConfig | dict[str, Any] | None = None) -> RunConfig:
+        """``base`` (default: ``RunConfig()``) with the trainable model's provider, call labels, tool-error
+        reports, and tracing off unless the runner was made with ``tracing=True``."""
+        if base is None or isinstance(base, dict):
+            config = RunConfig(**(base or {}))
+            owns_provider = base is None or "model_provider" not in base  # Runner.run would have owned it
+        elif isinstance(base, RunConfig):
+            config, owns_provider = base, False
+        else:
+            raise ConfigError(f"run_config must be a RunConfig or a dict, got {type(base).__name__}")
+        runner = self._runner
+        provider = _GatewayProvider(runner.model, rollout_id=self.rollout_id, names=runner.model_names,
+                                    api=runner.api, fallback=config.model_provider, owns_fallback=owns_provider)
+        self._providers.append(provider)
+        return dataclasses.replace(
+            config, model_provider=provider,
+            call_model_input_filter=_labelling(config.call_model_input_filter),
+            tool_error_formatter=self._reporting(config.tool_error_formatter),
+            tracing_disabled=config.tracing_disabled or not runner.tracing,
+        )
+
+    def error_handlers(self, handlers: RunErrorHandlers[Any] | None) -> RunErrorHandlers[Any] | None:
+        """The run's ``error_handlers``, each noting on this capture when it turned an error into a final output."""
+        if not handlers:
+            return handlers
+        given = cast(dict[str, Callable[[Any], Any]], handlers)
+        return cast("RunErrorHandlers[Any]", {kind: self._noting(kind, handler) for kind, handler in given.items()})
+
+    def made_calls(self) -> bool:
+        """Whether the gateway recorded any call of this run."""
+        return bool(self._runner.model.rollout_records(self.rollout_id))
+
+    def trajectory(self, *, final_output: Any = None, last_agent: Agent[Any] | None = None,
+                   error: BaseException | None = None, stop_reason: str | None = None) -> Trajectory:
+        """The run as a trajectory (not yet scored): histories from the gateway's records, and what the run reported.
+
+        Args:
+            final_output: the run's final output (``trajectory.final_state``; also ``metadata["final_output"]``).
+            last_agent: the agent the run ended with (``metadata["last_agent"]``).
+            error: the SDK error that stopped the run, if any: it sets the stop reason and goes to ``logs``.
+            stop_reason: why the run stopped early, when ``error`` does not say (e.g. ``"cancelled"``).
+
+        Raises:
+            NoTrainableCallsError: the run never called the trainable model.
+        """
+        stop_reason = _stop_reason(error) if error is not None else stop_reason or self._handled_stop
+        metadata: dict[str, Any] = {"final_output": _as_text(final_output)}
+        if last_agent is not None:
+            metadata["last_agent"] = last_agent.name
+        if error is not None:
+            metadata["error"] = _describe(error, self._runner.timeout)
+        trajectory = self.scope.trajectory(final_state=final_output, stop_reason=stop_reason, metadata=metadata)
+        trajectory.logs.extend(self.tool_errors)
+        if error is not None:
+            trajectory.logs.append(f"run stopped: {metadata['error']}")
+        trajectory.metrics["tool_errors"] = len(self.tool_errors)
+        return trajectory
+
+    # --- for streamed runs, whose task outlives the ``with`` that starts it ---
+
+    def _hold(self) -> None:
+        """Keep the routing wrappers installed until ``_aclose()``."""
+        self._held.enter_context(wrappers_installed())
+
+    async def _aclose(self) -> None:
+        """Release the routing hold and close the run's gateway clients."""
+        self._held.close()
+        await self._close_providers()
+
+    # --- helpers ---
+
+    async def _close_providers(self) -> None:
+        providers, self._providers = self._providers, []
+        for provider in providers:
+            await provider.aclose()
+
+    def _reporting(self, user_formatter: Callable[[ToolErrorFormatterArgs[Any]], Any] | None
+                   ) -> Callable[[ToolErrorFormatterArgs[Any]], Awaitable[str | None]]:
+        async def report(args: ToolErrorFormatterArgs[Any]) -> str | None:
+            # The SDK shows the model only a generic message; the exception itself is what a person reading
+            # the trajectory needs. (It may hold sensitive data: it is stored with the trajectory.)
+            cause = f"{type(args.error).__name__}: {args.error}" if args.error is not None else args.default_message
+            agent = _calling_agent.get()
+            self.tool_errors.append(f"tool {args.tool_name!r} ({args.kind}, call {args.call_id}"
+                                    f"{f', agent {agent!r}' if agent else ''}): {cause}")
+            if user_formatter is None:
+                return None  # the SDK's default message
+            message = user_formatter(args)
+            return cast(str | None, await message if inspect.isawaitable(message) else message)
+        return report
+
+    def _noting(self, kind: str, handler: Callable[[Any], Any]) -> Callable[[Any], Awaitable[Any]]:
+        async def handle(data: Any) -> Any:
+            outcome = handler(data)
+            if inspect.isawaitable(outcome):
+                outcome = await outcome
+            if outcome is not None:  # handled: the run ends with this output, but it did stop early
+                self._handled_stop = _HANDLED_STOP_REASONS.get(kind, kind)
+            return outcome
+        return handle
+
+
+class StreamedRun:
+    """A streamed run: the SDK's events while it runs, then the run as a scored trajectory.
+
+        streamed = runner.run_streamed(agent, "Weather in Paris?", reward=my_reward)
+        async for event in streamed.stream_events():     # the SDK's StreamEvents
+            ...
+        result, trajectory = await streamed.wait()
+
+    Attributes:
+        result: the SDK's ``RunResultStreaming`` (``final_output``, ``new_items``, ``cancel()``...).
+    """
+
+    def __init__(self, capture: AgentCapture, result: RunResultStreaming, reward: RewardFn | None) -> None:
+        self.result = result
+        self._capture = capture
+        self._reward = reward
+        self._events: AsyncGeneratorType[StreamEvent, None] | None = None
+        self._started = False  # the events' generator has begun running
+        self._done = asyncio.Event()
+        self._trajectory: Trajectory | None = None
+        self._failure: BaseException | None = None
+
+    @property
+    def rollout_id(self) -> str:
+        return self._capture.rollout_id
+
+    @property
+    def trajectory(self) -> Trajectory:
+        """The scored run, once the stream has ended.
+
+        Raises:
+            LifecycleError: the stream has not ended yet, or ended with an error.
+        """
+        if self._trajectory is None:
+            raise LifecycleError("the streamed run has not ended: read stream_events() to the end or await wait() "
+                                 "first" if self._failure is None else
+                                 f"the streamed run failed ({type(self._failure).__name__}: {self._failure}): "
+                                 "it has no trajectory")
+        return self._trajectory
+
+    def stream_events(self) -> AsyncIterator[StreamEvent]:
+        """The SDK's events (``RunResultStreaming.stream_events()``); at their end the trajectory is built and scored.
+
+        The SDK's errors that end a run over the model's behaviour end the stream instead of being raised
+        (see the module docstring); other errors are raised. Stopping early is fine: the SDK finishes the run
+        anyway, ``wait()`` reads the rest, and the trajectory holds all of it.
+
+        Raises:
+            LifecycleError: the events were asked for already (they can be read once).
+        """
+        if self._events is not None:
+            raise LifecycleError("stream_events() was already called on this run: its events can be read once")
+        self._events = cast("AsyncGeneratorType[StreamEvent, None]", self._stream())
+        return self._events
+
+    async def wait(self) -> tuple[RunResultStreaming, Trajectory]:
+        """Wait for the run's end, then return ``(result, trajectory)``.
+
+        Call it instead of reading the events (it reads them), or after the reading loop, finished or not.
+
+        Raises:
+            Exception: what ``stream_events()`` raised.
+        """
+        if self._events is None or not self._started:
+            async for _ in self._events or self.stream_events():
+                pass
+        elif not self._done.is_set() and not self._events.ag_running:
+            await self._events.aclose()  # the reader stopped early: closing its stream lets the run end
+        await self._done.wait()
+        if self._failure is not None:
+            raise self._failure
+        return self.result, self.trajectory
+
+    async def _stream(self) -> AsyncGenerator[StreamEvent, None]:
+        self._started = True
+        sdk_events = cast(AsyncGenerator[StreamEvent, None], self.result.stream_events())
+        error: BaseException | None = None
+        try:
+            async with contextlib.aclosing(sdk_events):
+                try:
+                    async for event in sdk_events:
+                        yield event
+                except GeneratorExit:
+                    # The reader stopped early. The run goes on to its end anyway: read the rest here, so that
+                    # its end (an output, or the error that stopped it) is found as if the reader had seen it.
+                    await self._finish(await _drain(sdk_events))
+                    raise
+        except _KEPT_ERRORS as exc:
+            error = exc
+        except GeneratorExit:
+            raise
+        except BaseException as exc:
+            self._failure = exc
+            self._done.set()
+            await self._capture._aclose()
+            raise
+        await self._finish(error)
+
+    async def _finish(self, error: BaseException | None) -> None:
+        try:
+            await self._capture._aclose()
+            if error is not None and not self._capture.made_calls():
+                raise error
+            result = self.result
+            final_output = result.final_output if error is None else None
+            cancelled = error is None and final_output is None  # cancel(): the run ended without an output
+            trajectory = self._capture.trajectory(
+                final_output=final_output, last_agent=result.last_agent, error=error,
+                stop_reason="cancelled" if cancelled else None)
+            self._trajectory = await score(trajectory, self._reward)
+        except BaseException as exc:
+            self._failure = exc
+            raise
+        finally:
+            self._done.set()
+
+
+class _GatewayProvider(ModelProvider):
+    """Builds the trainable model's names against the rollout's gateway URL; hands other names to ``fallback``.
+
+    Args:
+        model: the trainable model.
+        rollout_id: the run's rollout id (its calls go to ``model.rollout_base_url(rollout_id)``).
+        names: the model names that mean the trainable model.
+        api: which OpenAI API to speak to the gateway (None: the SDK's default).
+        fallback: the provider for every other name (the run's own ``RunConfig.model_provider``).
+        owns_fallback: close ``fallback`` with this provider (the SDK would have owned it).
+    """
+
+    def __init__(self, model: TrainableModel, *, rollout_id: str, names: frozenset[str], api: Api | None,
+                 fallback: ModelProvider, owns_fallback: bool) -> None:
+        self._model = model
+        self._rollout_id = rollout_id
+        self._names = names
+        self._use_responses = None if api is None else api == "responses"
+        self._fallback = fallback
+        self._owns_fallback = owns_fallback
+        self._client: openai.AsyncOpenAI | None = None
+        self._trainable: Model | None = None
+
+    def get_model(self, model_name: str | None) -> Model:
+        if (model_name or get_default_model()) in self._names:
+            return self._trainable_model()
+        try:
+            return self._fallback.get_model(model_name)
+        except openai.OpenAIError as exc:  # typically: no OPENAI_API_KEY for a model that is not ours
+            raise ConfigError(
+                f"an agent runs on model {model_name or get_default_model()!r}, which is not the trainable model "
+                f"(its names: {sorted(self._names)}), and the SDK could not set that model up: {exc}. Name the "
+                f"trainable model in the agent, or pass model_names=[{model_name or get_default_model()!r}] to "
+                "train it in that model's place") from exc
+
+    def _trainable_model(self) -> Model:
+        if self._trainable is None:
+            # The gateway on loopback takes any key; the model name sent is the one the gateway serves.
+            self._client = openai.AsyncOpenAI(base_url=self._model.rollout_base_url(self._rollout_id),
+                                              api_key=self._model.api_key or "local")
+            provider = OpenAIProvider(openai_client=self._client, use_responses=self._use_responses,
+                                      use_responses_websocket=False)  # the gateway speaks HTTP only
+            self._trainable = provider.get_model(self._model.name)
+        return self._trainable
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
+        if self._owns_fallback:
+            await self._fallback.aclose()
+
+
+def _labelling(user_filter: Callable[[CallModelData[Any]], Any] | None
+               ) -> Callable[[CallModelData[Any]], Awaitable[ModelInputData]]:
+    """A ``call_model_input_filter`` that labels the coming call with its agent, then runs the run's own filter."""
+    async def label(data: CallModelData[Any]) -> ModelInputData:
+        # The SDK awaits this in the task that then makes the call: the route reads the label there.
+        _calling_agent.set(data.agent.name)
+        if user_filter is None:
+            return data.model_data
+        updated = user_filter(data)
+        return cast(ModelInputData, await updated if inspect.isawaitable(updated) else updated)
+    return label
+
+
+async def _drain(events: AsyncIterator[StreamEvent]) -> BaseException | None:
+    """Read ``events`` to their end; the SDK error that ended the run over the model's behaviour, if any."""
+    try:
+        async for _ in events:
+            pass
+    except _KEPT_ERRORS as exc:
+        return exc
+    return None
+
+
+@contextlib.contextmanager
+def _no_label() -> Iterator[None]:
+    """No call label in the code inside (a task started there copies it); the caller's is restored after."""
+    token = _calling_agent.set(None)
+    try:
+        yield
+    finally:
+        _calling_agent.reset(token)
+
+
+def _check_agent(agent: Any) -> None:
+    if not isinstance(agent, Agent):
+        raise ConfigError(f"starting_agent must be an agents.Agent, got {type(agent).__name__}")
+
+
+def _stop_reason(error: BaseException) -> str:
+    if isinstance(error, TimeoutError):
+        return "timeout"
+    return next(reason for kind, reason in _STOP_REASONS if isinstance(error, kind))
+
+
+def _describe(error: BaseException, timeout: float | None) -> str:
+    if isinstance(error, TimeoutError):
+        return f"TimeoutError: the run took longer than timeout={timeout} s and was cancelled"
+    return f"{type(error).__name__}: {error}"
+
+
+def _last_agent(error: BaseException | None) -> Agent[Any] | None:
+    run_data = getattr(error, "run_data", None)  # the SDK attaches what the run had to its errors
+    return getattr(run_data, "last_agent", None)
+
+
+def _as_text(output: Any) -> str | None:
+    """A final output as text for ``metadata``: strings as they are, models and other values as JSON."""
+    if output is None or isinstance(output, str):
+        return output
+    if isinstance(output, BaseModel):
+        return output.model_dump_json()
+    try:
+        return json.dumps(output, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return repr(output)
