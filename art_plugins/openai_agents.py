@@ -39,7 +39,8 @@ How a run ends, and what the trajectory says:
   guardrail. The trajectory is kept: ``(None, trajectory)``, marked ``metadata["truncated"]`` with
   ``metadata["stop_reason"]`` (``"max_turns"``, ``"model_behavior_error"``...) and the error in ``logs``;
   ``final_state`` is None. An ``error_handlers`` entry that turns the error into a final output gives a
-  normal result, and the trajectory is marked all the same.
+  normal result, and the trajectory is marked all the same. A run cut by the runner's ``timeout`` is kept
+  the same way (``"timeout"``).
 - A tool raises, or the model's arguments do not validate: by default the SDK tells the model and the run
   goes on. The trajectory's next call shows that message; ``logs`` keep the exception itself and
   ``metrics["tool_errors"]`` counts them (``RunConfig.tool_error_formatter`` reports them to us; a tool with
