@@ -1,9 +1,10 @@
 """art-plugins: train the LLM inside an existing agent with GRPO, without changing the agent's code.
 
-The framework adapters (``art_plugins.langgraph``, ``art_plugins.openai_agents``) land in later releases;
-this package re-exports the pieces of ``art_core`` a user needs to write a training loop.
+Adapters: ``art_plugins.langgraph`` (``trainable(graph, model)``) and ``art_plugins.openai_agents``
+(``TrainableRunner(model)``). Each is imported on its own, so neither framework is needed for the other.
+This package also re-exports the pieces of ``art_core`` a training loop needs.
 """
 
-from art_core import TrainableModel, LocalBackend, TrainConfig, Trajectory, TrajectoryGroup
+from art_core import LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
 
 __all__ = ["LocalBackend", "TrainConfig", "TrainableModel", "Trajectory", "TrajectoryGroup"]

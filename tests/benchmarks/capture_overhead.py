@@ -1,0 +1,146 @@
+"""What the LangGraph adapter adds to each LLM call, against the same graph unwrapped.
+
+Both sides run the same compiled graph (one LLM node called ``--calls`` times per run, then END) against
+the same gateway and model: unwrapped, its ``ChatOpenAI`` points at the gateway directly; wrapped, it
+points nowhere and the adapter routes each call to the rollout's URL, then rebuilds the trajectory from
+the gateway's records. Runs alternate between the two sides; each pair's difference, divided by the
+calls per run, is one overhead sample, so the machine's drift cancels out. Generation is kept to one
+token of a tiny random model so that its noise does not drown the fraction of a millisecond measured.
+
+Also printed: the cost of the routing decision alone (``Route.rewrite`` on a typical request), in process.
+
+    python tests/benchmarks/capture_overhead.py [--runs 30] [--calls 10]
+
+Goal: at most 1 ms median per call. The last line is a JSON object with ``overhead_ms_median``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated, Any, TypedDict
+
+import torch
+from langchain_core.messages import AnyMessage
+from langchain_openai import ChatOpenAI
+from langgraph.graph import END, START, StateGraph
+from langgraph.graph.message import add_messages
+
+from art_core import LocalBackend, TrainableModel
+from art_core.models import EMBEDDED_MODEL, resolve_base_model
+from art_plugins._routing import Route
+from art_plugins.langgraph import trainable
+
+
+class State(TypedDict):
+    messages: Annotated[list[AnyMessage], add_messages]
+    calls: int
+
+
+def build_graph(base_url: str, calls: int) -> Any:
+    llm = ChatOpenAI(model="agent", base_url=base_url, api_key="unused", temperature=0.0, max_tokens=1)
+
+    async def think(state: State) -> dict[str, Any]:
+        reply = await llm.ainvoke(state["messages"][:2])  # the same short prompt every time
+        return {"messages": [reply], "calls": state.get("calls", 0) + 1}
+
+    builder = StateGraph(State)
+    builder.add_node("think", think)
+    builder.add_edge(START, "think")
+    builder.add_conditional_edges("think", lambda s: "think" if s["calls"] < calls else END)
+    return builder.compile()
+
+
+def tiny_model(folder: Path) -> Path:
+    """A 2-layer random Qwen2 with SmolLM2's tokenizer: a real model whose one-token answers take ~ms."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_base_model(EMBEDDED_MODEL))
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def rewrite_cost_us(repeats: int = 20_000) -> float:
+    import httpx2
+
+    route = Route(model_names=frozenset({"agent"}), served_name="agent", base_url="http://127.0.0.1:1/rollouts/r/v1",
+                  caller=lambda: "think")
+    body = {"model": "agent", "messages": [{"role": "system", "content": "You are terse. " * 20},
+                                           {"role": "user", "content": "Say one word."}], "max_tokens": 1}
+    request = httpx2.Request("POST", "http://127.0.0.1:9/v1/chat/completions", json=body,
+                             headers={"authorization": "Bearer unused"})
+    started = time.perf_counter()
+    for _ in range(repeats):
+        route.rewrite(request)
+    return (time.perf_counter() - started) / repeats * 1e6
+
+
+async def main(runs: int, calls: int) -> dict[str, float]:
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = TrainableModel(name="agent", base_model=tiny_model(Path(tmp) / "tiny"))
+        async with LocalBackend(path=Path(tmp) / "art", show_progress=False, num_threads=1) as backend:
+            await model.register(backend)
+            direct = build_graph(model.base_url, calls)
+            wrapped = trainable(build_graph("http://127.0.0.1:9/v1", calls), model)
+            state = {"messages": [("system", "You are terse. " * 20), ("user", "Say one word.")]}
+
+            async def run_direct() -> float:
+                started = time.perf_counter()
+                await direct.ainvoke(state)
+                return time.perf_counter() - started
+
+            async def run_wrapped() -> float:
+                started = time.perf_counter()
+                trajectory = await wrapped.rollout(state)
+                elapsed = time.perf_counter() - started
+                assert len(trajectory.calls) + sum(len(h.calls) for h in trajectory.additional_histories) == calls
+                return elapsed
+
+            for _ in range(3):  # warm up both paths (clients, template cache, allocator)
+                await run_direct()
+                await run_wrapped()
+            direct_ms, wrapped_ms, overhead_ms = [], [], []
+            for i in range(runs):
+                # Alternate which side goes first, so neither always follows the other.
+                if i % 2:
+                    d, w = await run_direct(), await run_wrapped()
+                else:
+                    w, d = await run_wrapped(), await run_direct()
+                direct_ms.append(d / calls * 1e3)
+                wrapped_ms.append(w / calls * 1e3)
+                overhead_ms.append((w - d) / calls * 1e3)
+    figures = {
+        "calls_measured": runs * calls,
+        "direct_ms_per_call_median": round(statistics.median(direct_ms), 3),
+        "wrapped_ms_per_call_median": round(statistics.median(wrapped_ms), 3),
+        "overhead_ms_median": round(statistics.median(overhead_ms), 3),
+        "overhead_ms_p10": round(statistics.quantiles(overhead_ms, n=10)[0], 3),
+        "overhead_ms_p90": round(statistics.quantiles(overhead_ms, n=10)[-1], 3),
+        "route_rewrite_us": round(rewrite_cost_us(), 1),
+    }
+    return figures
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=30, help="paired runs (default 30)")
+    parser.add_argument("--calls", type=int, default=10, help="LLM calls per run (default 10)")
+    args = parser.parse_args()
+    figures = asyncio.run(main(args.runs, args.calls))
+    print(f"{figures['calls_measured']} calls per side: direct {figures['direct_ms_per_call_median']} ms/call, "
+          f"wrapped {figures['wrapped_ms_per_call_median']} ms/call")
+    print(f"adapter overhead per call: median {figures['overhead_ms_median']} ms "
+          f"(p10 {figures['overhead_ms_p10']}, p90 {figures['overhead_ms_p90']}); goal <= 1 ms")
+    print(f"routing decision alone: {figures['route_rewrite_us']} us per request")
+    print(json.dumps(figures))
