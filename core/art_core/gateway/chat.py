@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from ..engines.base import EngineOutput, SamplingParams
@@ -137,7 +137,8 @@ async def chat_completions(
             for i, (a, lp, reply) in enumerate(zip(answers, logprobs, replies, strict=True))
         ],
     )
-    return JSONResponse(completion.model_dump())
+    # Serialised once, by pydantic's Rust serialiser (not model_dump() and then json.dumps again).
+    return Response(completion.model_dump_json(), media_type="application/json")
 
 
 async def generate_outputs(

@@ -38,7 +38,7 @@ class GatewayState:
     detokenizer: Detokenizer
 
 
-def get_state(request: Request) -> GatewayState:
+async def get_state(request: Request) -> GatewayState:
     state: GatewayState = request.app.state.gateway
     return state
 
@@ -53,7 +53,7 @@ def check_rollout_id(value: str, *, where: str) -> str:
     return value
 
 
-def rollout_scope(request: Request) -> str | None:
+async def rollout_scope(request: Request) -> str | None:
     """The rollout a request belongs to: ``/rollouts/{id}/v1/...`` or the ``X-Rollout-Id`` header.
 
     Raises:
@@ -74,7 +74,7 @@ def rollout_scope(request: Request) -> str | None:
     return from_path if from_path is not None else from_header
 
 
-def call_caller(request: Request) -> str | None:
+async def call_caller(request: Request) -> str | None:
     """The ``X-Art-Caller`` header: which part of the agent made the call (1-200 printable characters).
 
     Raises:
