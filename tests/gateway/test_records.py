@@ -63,3 +63,25 @@ def test_threads_can_add_concurrently(tmp_path: Path):
     lines = (tmp_path / "r.jsonl").read_text().splitlines()
     assert len(lines) == 100 and all(json.loads(line) for line in lines)
     assert all(len(store.for_rollout(f"t{k}")) == 25 for k in range(4))
+
+
+def test_fsync_records_syncs_each_line_to_disk(tmp_path: Path, monkeypatch, tokenizer):
+    import os
+
+    from art_core.gateway import GatewaySettings
+    from art_core.gateway.app import create_app
+
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    RecordStore(tmp_path / "off.jsonl").add(record(0))
+    assert synced == []  # the default: flushed, not fsynced
+    store = RecordStore(tmp_path / "on.jsonl", fsync=True)
+    store.add(record(0))
+    store.add(record(1))
+    assert len(synced) == 2 and len((tmp_path / "on.jsonl").read_text().splitlines()) == 2
+
+    from fakes import FakeEngine
+
+    app = create_app(FakeEngine(tokenizer), GatewaySettings(records_path=tmp_path / "s.jsonl", fsync_records=True))
+    assert app.state.gateway.records.fsync is True

@@ -59,7 +59,8 @@ def create_app(
         engine=engine,
         settings=settings,
         records=records if records is not None else RecordStore(
-            settings.records_path, max_in_memory=settings.max_records_in_memory),
+            settings.records_path, max_in_memory=settings.max_records_in_memory,
+            fsync=settings.fsync_records),
         control=control if control is not None else GatewayControl(engine),
         metrics=metrics if metrics is not None else GatewayMetrics(),
         detokenizer=Detokenizer(engine.tokenizer),

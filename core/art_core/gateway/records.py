@@ -2,14 +2,15 @@
 
 Records are the trainer's source of truth: the exact prompt token ids the engine saw, the ids it sampled
 and their log-probabilities, and which adapter sampled them. ``RecordStore`` appends each record to a
-JSONL file (and flushes it) before the response goes out, so a crash of the process never loses a call
-a client was answered for, and keeps a bounded in-memory index by rollout for fast look-up.
+JSONL file (and flushes it; fsyncs it too with ``fsync=True``) before the response goes out, so a crash
+of the process never loses a call a client was answered for, and keeps a bounded in-memory index by rollout for fast look-up.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -91,15 +92,19 @@ class RecordStore:
     Args:
         path: JSONL file to append to (created with its folders); None keeps records in memory only.
         max_in_memory: records kept in the index; the oldest are evicted first. Default: 10 000.
+        fsync: also ``os.fsync`` each record before the response goes out, so a power cut or kernel
+            crash loses nothing answered either. Default: False (a flush survives a process crash; an
+            fsync costs ~0.1-10 ms per record depending on the disk, paid inside every request).
     """
 
-    def __init__(self, path: Path | None = None, *, max_in_memory: int = 10_000) -> None:
+    def __init__(self, path: Path | None = None, *, max_in_memory: int = 10_000, fsync: bool = False) -> None:
         if max_in_memory < 1:
             raise ConfigError(f"max_in_memory is {max_in_memory}: keep at least 1 record in memory")
         self.path = Path(path) if path is not None else None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_in_memory = max_in_memory
+        self.fsync = fsync
         self._lock = threading.Lock()
         self._records: OrderedDict[int, ExchangeRecord] = OrderedDict()  # insertion number -> record
         self._by_rollout: dict[str | None, list[int]] = {}
@@ -116,10 +121,12 @@ class RecordStore:
         with self._lock:
             if self.path is not None:
                 # Flushed to the OS before the client is answered: a process crash loses nothing answered.
-                # (Not fsynced: a power cut may still lose the last lines.)
+                # Without fsync a power cut may still lose the last lines; with it, nothing answered is lost.
                 with self.path.open("a", encoding="utf-8") as f:
                     f.write(line)
                     f.flush()
+                    if self.fsync:
+                        os.fsync(f.fileno())
             key = self._count
             self._count += 1
             self._records[key] = record

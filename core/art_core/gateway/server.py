@@ -69,7 +69,8 @@ class Gateway:
         self.engine = engine
         self.settings = settings if settings is not None else GatewaySettings()
         self.records = records if records is not None else RecordStore(
-            self.settings.records_path, max_in_memory=self.settings.max_records_in_memory)
+            self.settings.records_path, max_in_memory=self.settings.max_records_in_memory,
+            fsync=self.settings.fsync_records)
         self.control = GatewayControl(engine)
         self.metrics = GatewayMetrics()
         self.app = create_app(engine, self.settings, self.records, control=self.control, metrics=self.metrics)
