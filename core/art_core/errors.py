@@ -7,6 +7,7 @@
     ├── TrainingError            training failed while running
     ├── CheckpointError          a checkpoint is missing, half-written or does not fit the model
     ├── EngineError              an inference engine failed to start, answer or load an adapter
+    │   └── ConstraintError          a request's JSON schema or grammar cannot be enforced (the gateway: 400)
     ├── LifecycleError           an object was used in the wrong state (register twice, use after close)
     └── RewardError              a group could not be scored (empty group, a reward function failed)
         └── JudgeError           an LLM judge was unreachable, or its answer stayed malformed after repairs
@@ -22,6 +23,7 @@ __all__ = [
     "BaseModelNotFoundError",
     "CheckpointError",
     "ConfigError",
+    "ConstraintError",
     "EngineError",
     "JudgeError",
     "LifecycleError",
@@ -57,6 +59,10 @@ class CheckpointError(ArtError, RuntimeError):
 
 class EngineError(ArtError, RuntimeError):
     """An inference engine failed to start, answer a request, or load an adapter (the message says which)."""
+
+
+class ConstraintError(EngineError):
+    """The request's output constraint (JSON schema or grammar) is one the engine cannot enforce."""
 
 
 class LifecycleError(ArtError, RuntimeError):

@@ -16,7 +16,7 @@ from openai import AsyncOpenAI
 
 from art_core.engines.base import SamplingParams
 from art_core.engines.transformers import TransformersEngine
-from art_core.errors import EngineError
+from art_core.errors import ConstraintError, EngineError
 from art_core.gateway import Gateway, GatewaySettings
 
 PROMPT = [1, 9707, 11, 1122, 359, 346, 47]
@@ -97,7 +97,7 @@ async def test_reported_logprobs_are_the_raw_ones(engine):
 
 
 async def test_a_schema_the_library_refuses_fails_only_its_request(engine):
-    with pytest.raises(EngineError, match="cannot constrain output"):
+    with pytest.raises(ConstraintError, match="cannot constrain output"):
         await engine.generate(PROMPT, SamplingParams(max_tokens=8, json_schema={"type": "string", "format": "nope"}))
     out, = await engine.generate(PROMPT, SamplingParams(max_tokens=4))
     assert out.token_ids
@@ -120,3 +120,48 @@ async def test_gateway_response_format_gives_schema_valid_json(engine, tmp_path)
             response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
     jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
     assert reply.choices[0].finish_reason == "stop"
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer",
+                                                                                     "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "ping", "parameters": {}}},
+]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+async def test_gateway_enforces_tool_choice(engine, tmp_path, tool_choice):
+    schemas = {t["function"]["name"]: t["function"]["parameters"] or {"type": "object"} for t in TOOLS}
+    async with Gateway(engine, GatewaySettings(model_name="tiny", records_path=tmp_path / "r.jsonl")) as gateway:
+        client = AsyncOpenAI(base_url=gateway.base_url, api_key="local")
+        reply = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, tool_choice=tool_choice,
+            n=3, temperature=1.0, max_tokens=200, seed=5)
+    for choice in reply.choices:
+        calls = choice.message.tool_calls
+        assert calls, choice.message.content  # the random model never gets to answer in text
+        for call in calls:
+            if isinstance(tool_choice, dict):
+                assert call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        named_one = isinstance(tool_choice, dict)
+        assert not named_one or (len(calls) == 1 and choice.finish_reason == "tool_calls")
+
+
+async def test_a_schema_llguidance_refuses_is_a_400_naming_it(engine, tmp_path):
+    import openai
+
+    async with Gateway(engine, GatewaySettings(model_name="tiny", records_path=tmp_path / "r.jsonl")) as gateway:
+        client = AsyncOpenAI(base_url=gateway.base_url, api_key="local", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="Unknown format: nope") as caught:
+            await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+                response_format={"type": "json_schema", "json_schema": {
+                    "name": "x", "schema": {"type": "string", "format": "nope"}}})
+        assert caught.value.code == "unsupported_schema"
+        ok = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                  max_tokens=4)
+        assert ok.choices[0].message.content is not None

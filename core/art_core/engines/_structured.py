@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..errors import EngineError
+from ..errors import ConstraintError, EngineError
 
 __all__ = ["JsonSchemaGuide", "allowed_tokens", "advance"]
 
@@ -62,39 +62,46 @@ class JsonSchemaGuide:
         self._grammars: dict[str, str] = {}
         self._lock = threading.Lock()  # the event loop (checks) and the decode thread (matchers) both compile
 
-    def check(self, schema: dict[str, Any]) -> None:
-        """Compile ``schema`` now, so a schema llguidance cannot follow fails its own request only.
+    def check(self, schema: dict[str, Any] | None = None, *, grammar: str | None = None) -> None:
+        """Compile ``schema`` (or the Lark ``grammar``) now, so one llguidance cannot follow fails its own
+        request only.
 
         Raises:
-            EngineError: the schema is not one llguidance can constrain to (the message says why).
+            ConstraintError: llguidance cannot constrain output to it (the message says why).
         """
-        self._grammar(schema)
+        self._grammar(schema, grammar)
 
-    def matcher(self, schema: dict[str, Any]) -> Any:
-        """A fresh ``llguidance.LLMatcher`` for one row, at the start of the JSON value."""
+    def matcher(self, schema: dict[str, Any] | None = None, *, grammar: str | None = None) -> Any:
+        """A fresh ``llguidance.LLMatcher`` for one row, at the start of the JSON value (or grammar)."""
         import llguidance
 
-        grammar = self._grammar(schema)
-        matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)  # errors are read, not logged
+        compiled = self._grammar(schema, grammar)
+        matcher = llguidance.LLMatcher(self._tokenizer(), compiled, log_level=0)  # errors are read, not logged
         if matcher.is_error():
-            raise EngineError(f"cannot constrain output to this JSON schema: {matcher.get_error()}")
+            raise ConstraintError(f"cannot constrain output to this {_what(grammar)}: {matcher.get_error()}")
         return matcher
 
-    def _grammar(self, schema: dict[str, Any]) -> str:
+    def _grammar(self, schema: dict[str, Any] | None, grammar: str | None) -> str:
         import llguidance
 
-        key = json.dumps(schema, sort_keys=True)
+        if (schema is None) == (grammar is None):
+            raise EngineError("constrain output to a JSON schema or a grammar: give exactly one")
+        key = json.dumps(schema, sort_keys=True) if grammar is None else "lark:" + grammar
         with self._lock:
             if key not in self._grammars:
+                what = _what(grammar)
                 try:
-                    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+                    if grammar is not None:
+                        compiled = llguidance.LLMatcher.grammar_from_lark(grammar)
+                    else:
+                        compiled = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
                 except (ValueError, TypeError) as exc:
-                    raise EngineError(f"cannot constrain output to this JSON schema: {exc}") from exc
-                problem = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer_locked())
+                    raise ConstraintError(f"cannot constrain output to this {what}: {exc}") from exc
+                problem = llguidance.LLMatcher.validate_grammar(compiled, self._tokenizer_locked())
                 if problem and not problem.startswith("WARNING"):
-                    raise EngineError(f"cannot constrain output to this JSON schema: {problem}; "
-                                      f"schema starts: {key[:200]}")
-                self._grammars[key] = grammar
+                    raise ConstraintError(f"cannot constrain output to this {what}: {problem}; "
+                                          f"it starts: {key[:200]}")
+                self._grammars[key] = compiled
             return self._grammars[key]
 
     def _tokenizer(self) -> Any:
@@ -111,6 +118,10 @@ class JsonSchemaGuide:
             except ValueError as exc:  # a slow (Python) tokenizer: llguidance needs tokenizer.json
                 raise EngineError(f"JSON-schema output needs a fast Hugging Face tokenizer: {exc}") from exc
         return self._ll_tokenizer
+
+
+def _what(grammar: str | None) -> str:
+    return "JSON schema" if grammar is None else "grammar"
 
 
 def allowed_tokens(matcher: Any, vocab_size: int) -> torch.Tensor:

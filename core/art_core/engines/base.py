@@ -32,6 +32,9 @@ class SamplingParams:
     """Alternatives to report per position (0: only the sampled token's logprob)."""
     json_schema: dict[str, Any] | None = None
     """Constrain output to this JSON schema, where the engine supports it."""
+    grammar: str | None = None
+    """Constrain output to this llguidance Lark grammar (``%json {...}`` embeds a JSON schema), where the
+    engine supports it; the gateway uses it to enforce ``tool_choice``. At most one of this and ``json_schema``."""
 
 
 @dataclass(frozen=True)

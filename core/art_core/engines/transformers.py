@@ -42,7 +42,7 @@ class _Row:
     params: SamplingParams
     generator: torch.Generator | None
     matcher: Any = None
-    """llguidance matcher when the row follows a JSON schema (``params.json_schema``), else None."""
+    """llguidance matcher when the row follows a JSON schema or grammar (``params.json_schema``/``grammar``)."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[dict[int, float]] = field(default_factory=list)
@@ -117,8 +117,9 @@ class TransformersEngine:
         self._ensure_worker()
         if not prompt_token_ids:
             raise EngineError("the prompt is empty: render the chat template before calling the engine")
-        if params.json_schema is not None:  # compile now: a schema llguidance refuses fails this request only
-            await asyncio.to_thread(self._json_guide().check, params.json_schema)
+        if params.json_schema is not None or params.grammar is not None:
+            # Compile now: a schema or grammar llguidance refuses fails this request only (ConstraintError).
+            await asyncio.to_thread(self._json_guide().check, params.json_schema, grammar=params.grammar)
         future: asyncio.Future[list[EngineOutput]] = asyncio.get_running_loop().create_future()
         self._queue.append(_Pending(list(prompt_token_ids), params, future, time.perf_counter()))
         assert self._wakeup is not None
@@ -247,7 +248,8 @@ class TransformersEngine:
                 generator = None
                 if p.seed is not None:
                     generator = torch.Generator().manual_seed(p.seed * 1_000_003 + k)
-                matcher = self._json_guide().matcher(p.json_schema) if p.json_schema is not None else None
+                constrained = p.json_schema is not None or p.grammar is not None
+                matcher = self._json_guide().matcher(p.json_schema, grammar=p.grammar) if constrained else None
                 rows.append(_Row(prompt, p, generator, matcher))
         step = self._adapter_step
         self._decode(rows)

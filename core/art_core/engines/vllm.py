@@ -440,6 +440,10 @@ def _completion_request(model: str, prompt_token_ids: list[int], params: Samplin
     }
     if params.json_schema is not None:
         body["structured_outputs"] = {"json": params.json_schema}
+    if params.grammar is not None:
+        # /v1/completions has no tool_choice (vLLM enforces it on chat requests only, and we send token ids),
+        # so the gateway's tool-call grammar goes through vLLM's structured outputs instead (Lark, llguidance).
+        body["structured_outputs"] = {"grammar": params.grammar}
     return body
 
 

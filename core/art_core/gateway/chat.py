@@ -24,7 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from ..engines.base import EngineOutput, SamplingParams
-from ..errors import LifecycleError
+from ..errors import ConstraintError, LifecycleError
 from .errors import APIError
 from .records import ExchangeRecord
 from .schemas import (
@@ -32,6 +32,7 @@ from .schemas import (
     ChatCompletionRequest,
     Choice,
     ChoiceLogprobs,
+    NamedToolChoice,
     FunctionCallOut,
     ResponseMessage,
     TokenLogprob,
@@ -43,7 +44,7 @@ from .served import check_model
 from .state import GatewayState, call_caller, get_state, rollout_scope
 from .streaming import StreamedChoice, sse_chunks
 from .tokens import Detokenizer, render_prompt, template_message
-from .tool_calls import ParsedToolCall, format_tool_call_id, parse_tool_calls
+from .tool_calls import ParsedToolCall, format_tool_call_id, hermes_tool_call_grammar, parse_tool_calls
 
 __all__ = ["router"]
 
@@ -154,6 +155,10 @@ async def generate_outputs(
             outputs = await state.engine.generate(prompt_ids, params)
     except APIError:
         raise
+    except ConstraintError as exc:
+        raise APIError(400, f"{exc}: send a JSON schema (response_format, tool parameters) this engine can enforce",
+                       param="response_format" if params.grammar is None else "tools",
+                       code="unsupported_schema") from exc
     except LifecycleError as exc:
         logger.warning("engine unavailable: %s", exc)
         raise APIError(503, f"the engine is not available: {exc}", code="engine_unavailable") from exc
@@ -195,8 +200,18 @@ def _sampling_params(body: ChatCompletionRequest, state: GatewayState) -> Sampli
             400, f"{field} is {asked}, above this gateway's limit of {limit}: ask for at most {limit}",
             param=field, code="max_tokens_too_large",
         )
-    json_schema = None
-    if body.response_format is not None and body.response_format.type == "json_object":
+    json_schema, grammar = None, None
+    if body.tools and (body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice)):
+        if body.response_format is not None and body.response_format.type != "text":
+            raise APIError(400, "tool_choice 'required' or a named function cannot be combined with response_format "
+                           f"{body.response_format.type!r}: the reply is a tool call; drop one of the two",
+                           param="tool_choice", code="invalid_request")
+        # Enforced by constrained decoding: the completion is Hermes tool-call blocks, as the template teaches.
+        tools = [(t.function.name, t.function.parameters) for t in body.tools]
+        if isinstance(body.tool_choice, NamedToolChoice):
+            tools = [t for t in tools if t[0] == body.tool_choice.function.name]
+        grammar = hermes_tool_call_grammar(tools, multiple=body.tool_choice == "required")
+    elif body.response_format is not None and body.response_format.type == "json_object":
         json_schema = {"type": "object"}  # "any JSON object": engines that constrain output get the same rule
     elif body.response_format is not None and body.response_format.json_schema is not None:
         json_schema = body.response_format.json_schema.schema_
@@ -209,6 +224,7 @@ def _sampling_params(body: ChatCompletionRequest, state: GatewayState) -> Sampli
         n=body.n or 1,
         top_logprobs=body.top_logprobs or 0,
         json_schema=json_schema,
+        grammar=grammar,
     )
 
 

@@ -137,10 +137,11 @@ class ChatCompletionRequest(_Loose):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    """``none`` leaves the tools out of the prompt and parses no calls. ``auto`` (default with tools),
-    ``required`` and a named function are accepted but not enforced: the model sees the tools and may
-    still answer in text (no constrained decoding of calls on a small model). A named function must be
-    one of ``tools``."""
+    """``none`` leaves the tools out of the prompt and parses no calls. ``auto`` (default with tools) lets
+    the model answer in text or call tools. ``required`` (one or more calls) and a named function (exactly
+    that call, which must be one of ``tools``) are enforced by constrained decoding where the engine
+    supports it (``SamplingParams.grammar``): the completion is Hermes ``<tool_call>`` blocks whose
+    arguments follow the tool's ``parameters`` schema."""
     parallel_tool_calls: bool | None = None
     """Accepted; the model may write several calls either way."""
     temperature: float | None = Field(None, ge=0.0, le=2.0)

@@ -56,6 +56,7 @@ __all__ = [
     "ToolCallStream",
     "ToolCallStyle",
     "format_tool_call_id",
+    "hermes_tool_call_grammar",
     "parse_tool_calls",
 ]
 
@@ -304,6 +305,41 @@ class ToolCallStream:
 
 
 # --- the two conventions -------------------------------------------------------------------------
+
+
+# As engines/_structured.py writes JSON (not imported from there: it needs torch, the gateway does not).
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def hermes_tool_call_grammar(tools: list[tuple[str, dict[str, Any] | None]], *, multiple: bool = True) -> str:
+    """A Lark grammar (llguidance) whose every sentence is Hermes tool-call blocks, one per call::
+
+        <tool_call>
+        {"name": <one of the tools>, "arguments": <that tool's parameters schema>}
+        </tool_call>
+
+    What ``tool_choice="required"`` (``multiple=True``: one or more blocks) or a named choice (pass only
+    that tool, ``multiple=False``: exactly one block) constrains a completion to. Each call is an embedded
+    ``%json`` schema, written with the same fixed separators as ``json.dumps`` (``engines/_structured.py``).
+
+    Args:
+        tools: ``(name, parameters schema)`` per tool; a schema of None or ``{}`` means no arguments.
+        multiple: allow several blocks, separated by newlines.
+    """
+    alternatives = []
+    for name, parameters in tools:
+        arguments = parameters or {"type": "object", "properties": {}, "additionalProperties": False}
+        schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
+                  "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": _JSON_OPTIONS}
+        alternatives.append("%json " + json.dumps(schema))
+    rules = [
+        "%llguidance {}",
+        'start: call ("\\n" call)*' if multiple else "start: call",
+        'call: "<tool_call>\\n" body "\\n</tool_call>"',
+        *(f"body{i}: {alt}" for i, alt in enumerate(alternatives)),
+        "body: " + " | ".join(f"body{i}" for i in range(len(alternatives))),
+    ]
+    return "\n".join(rules) + "\n"
 
 
 def _parse_hermes(text: str) -> ParsedCompletion:
