@@ -83,8 +83,9 @@ async def chat_completions(
     # --- prompt: the template sees the tools unless tool_choice is "none" ---
     offer_tools = bool(body.tools) and body.tool_choice != "none"
     tool_names = [t.function.name for t in body.tools or []] if offer_tools else None
-    messages = [template_message(m.model_dump()) for m in body.messages]
-    prompt_ids = render_prompt(state.engine.tokenizer, messages, raw["tools"] if offer_tools else None)
+    chat_messages = [m.model_dump(exclude_none=True) for m in body.messages]  # dumped once: template and record
+    prompt_ids = render_prompt(state.engine.tokenizer, [template_message(m) for m in chat_messages],
+                               raw["tools"] if offer_tools else None)
 
     # --- generate (held here while the gateway is paused for training) ---
     outputs, waited = await generate_outputs(state, prompt_ids, params)
@@ -93,7 +94,6 @@ async def chat_completions(
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     answers = [_answer(out, state.detokenizer, params.stop, tool_names) for out in outputs]
     replies = [_message(answer) for answer in answers]
-    chat_messages = [m.model_dump(exclude_none=True) for m in body.messages]
     for index, (out, answer, reply) in enumerate(zip(outputs, answers, replies, strict=True)):
         state.records.add(ExchangeRecord(
             request_id=request_id, choice_index=index, rollout_id=rollout_id, created=created, model=body.model,

@@ -290,8 +290,9 @@ async def create_response(
     params = _sampling_params(chat, state)
     offer_tools = bool(chat.tools) and chat.tool_choice != "none"
     tool_names = [t.function.name for t in chat.tools or []] if offer_tools else None
-    messages = [template_message(m.model_dump()) for m in chat.messages]
-    prompt_ids = render_prompt(state.engine.tokenizer, messages, chat_tools if offer_tools else None)
+    chat_messages = [m.model_dump(exclude_none=True) for m in chat.messages]  # dumped once: template and record
+    prompt_ids = render_prompt(state.engine.tokenizer, [template_message(m) for m in chat_messages],
+                               chat_tools if offer_tools else None)
 
     # --- generate, check, decode and parse, record (on disk before the client hears back) ---
     outputs, waited = await generate_outputs(state, prompt_ids, params)
@@ -308,7 +309,7 @@ async def create_response(
         adapter_step=out.adapter_step, request=raw, prompt_token_ids=prompt_ids,
         completion_token_ids=list(out.token_ids), logprobs=list(out.logprobs), finish_reason=answer.finish_reason,
         timings={"wait": waited, **out.timings, "total": time.perf_counter() - started},
-        messages=[m.model_dump(exclude_none=True) for m in chat.messages], tools=chat_tools if offer_tools else [],
+        messages=chat_messages, tools=chat_tools if offer_tools else [],
         reply={k: v for k, v in reply.items() if v is not None}, caller=caller,
     ))
     metrics = state.metrics
