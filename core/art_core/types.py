@@ -155,6 +155,13 @@ class Trajectory(_Model):
     def final_state(self, value: Any) -> None:
         self._final_state = value
 
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> Trajectory:
+        # Scorers return deep copies; the run's end state is shared with them, not copied: it may hold
+        # anything (clients, locks, large objects) and is only ever read.
+        memo = {} if memo is None else memo
+        memo[id(self._final_state)] = self._final_state
+        return super().__deepcopy__(memo)
+
     @field_validator("messages", mode="before")
     @classmethod
     def _coerce_messages(cls, value: Any) -> Any:
