@@ -12,25 +12,23 @@ trainable call in it is token-exact by construction.
 
 from __future__ import annotations
 
-import inspect
+import asyncio
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import Any
 
-from art_core import TrainableModel, Trajectory
+from art_core import TrainableModel, Trajectory, TrajectoryGroup
 from art_core.errors import ArtError, ConfigError
+from art_core.rewards import RewardFn, reward_value
 from art_core.trajectories import trajectory_from_records
 
 from ._routing import Route, routed
 
-__all__ = ["NoTrainableCallsError", "RewardFn", "RolloutScope", "score"]
+__all__ = ["NoTrainableCallsError", "RewardFn", "RolloutScope", "gather_group", "score"]
 
 logger = logging.getLogger(__name__)
-
-RewardFn = Callable[[Trajectory, Any], float | Awaitable[float]]
-"""``reward(trajectory, final_state) -> float``, plain or async."""
 
 
 class NoTrainableCallsError(ArtError):
@@ -112,19 +110,34 @@ class RolloutScope:
 async def score(trajectory: Trajectory, reward: RewardFn | None) -> Trajectory:
     """Set ``trajectory.reward`` from ``reward(trajectory, trajectory.final_state)`` (plain or async).
 
-    A reward function that raises does not end the group: the error goes to ``trajectory.logs`` and
-    ``metadata["reward_error"]``, the reward stays as it was, and a warning is logged.
+    A reward function that raises (or returns no finite number) does not end the group: the error goes to
+    ``trajectory.logs`` and ``metadata["reward_error"]``, the reward stays as it was, and a warning is logged.
     """
     if reward is None:
         return trajectory
     try:
-        value = reward(trajectory, trajectory.final_state)
-        if inspect.isawaitable(value):
-            value = await value
-        trajectory.reward = float(value)
+        trajectory.reward = await reward_value(reward, trajectory, trajectory.final_state)
     except Exception as exc:  # the user's code: record it on the trajectory, keep the group going
         message = f"{type(exc).__name__}: {exc}"
         logger.warning("reward function failed on trajectory %s: %s", trajectory.id, message)
         trajectory.logs.append(f"reward function raised {message}")
         trajectory.metadata["reward_error"] = message
     return trajectory
+
+
+async def gather_group(n: int, rollout: Callable[[], Awaitable[Trajectory]]) -> TrajectoryGroup:
+    """``n`` calls of ``rollout()`` run concurrently, as one group for GRPO.
+
+    A rollout that fails is left out and listed in ``group.exceptions`` (and logged), not raised;
+    ``KeyboardInterrupt`` and cancellation are not failures and propagate.
+    """
+    if n < 1:
+        raise ConfigError(f"n is {n}: a group needs at least one rollout (GRPO needs two or more)")
+    results = await asyncio.gather(*(rollout() for _ in range(n)), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException) and not isinstance(result, Exception):
+            raise result
+    errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)]
+    for message in errors:
+        logger.warning("a rollout of the group failed: %s", message)
+    return TrajectoryGroup([r for r in results if isinstance(r, Trajectory)], exceptions=errors)

@@ -28,7 +28,7 @@ from typing import Any, Literal, TypeVar, overload
 from art_core import TrainableModel, Trajectory, TrajectoryGroup
 from art_core.errors import ConfigError
 
-from ._rollout import NoTrainableCallsError, RewardFn, RolloutScope, score
+from ._rollout import NoTrainableCallsError, RewardFn, RolloutScope, gather_group, score
 
 __all__ = ["NoTrainableCallsError", "TrainableGraph", "trainable"]
 
@@ -107,13 +107,16 @@ class TrainableGraph:
         scope = self.capture(rollout_id=rollout_id)
         progress = _Progress()
         stop_reason = None
+        deadline = asyncio.timeout(self.timeout)
         async with scope:
             try:
-                async with asyncio.timeout(self.timeout):
+                async with deadline:
                     await _run(self.graph, input, run_config, method, progress)
             except GraphRecursionError:
                 stop_reason = "recursion_limit"
             except TimeoutError:
+                if not deadline.expired():
+                    raise  # the graph's own timeout (a tool's, a client's), not the rollout's limit
                 stop_reason = "timeout"
         trajectory = scope.trajectory(final_state=progress.state, stop_reason=stop_reason)
         return await score(trajectory, reward)
@@ -124,17 +127,7 @@ class TrainableGraph:
 
         A rollout that fails is left out and listed in ``group.exceptions``, not raised.
         """
-        if n < 1:
-            raise ConfigError(f"n is {n}: a group needs at least one rollout (GRPO needs two or more)")
-        results = await asyncio.gather(
-            *(self.rollout(input, reward=reward, config=config, method=method) for _ in range(n)),
-            return_exceptions=True)
-        trajectories = [r for r in results if isinstance(r, Trajectory)]
-        errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)]
-        for r in results:
-            if isinstance(r, BaseException) and not isinstance(r, Exception):
-                raise r  # KeyboardInterrupt, CancelledError: not a rollout failure
-        return TrajectoryGroup(trajectories, exceptions=errors)
+        return await gather_group(n, lambda: self.rollout(input, reward=reward, config=config, method=method))
 
 
 class _Progress:

@@ -67,7 +67,7 @@ from pydantic import BaseModel
 from art_core import TrainableModel, Trajectory, TrajectoryGroup
 from art_core.errors import ConfigError, LifecycleError
 
-from ._rollout import NoTrainableCallsError, RewardFn, RolloutScope, score
+from ._rollout import NoTrainableCallsError, RewardFn, RolloutScope, gather_group, score
 from ._routing import wrappers_installed
 
 try:
@@ -255,20 +255,12 @@ class TrainableRunner:
         Every run gets the same ``context`` object (give it no state the runs would share by accident). A run
         that fails is left out and listed in ``group.exceptions``, not raised.
         """
-        if n < 1:
-            raise ConfigError(f"n is {n}: a group needs at least one run (GRPO needs two or more)")
-        runs = await asyncio.gather(
-            *(self.run(starting_agent, input, reward=reward, context=context, max_turns=max_turns, hooks=hooks,
-                       run_config=run_config, error_handlers=error_handlers) for _ in range(n)),
-            return_exceptions=True)
-        for r in runs:
-            if isinstance(r, BaseException) and not isinstance(r, Exception):
-                raise r  # KeyboardInterrupt, CancelledError: not a failed run
-        trajectories = [r[1] for r in runs if isinstance(r, tuple)]
-        errors = [f"{type(r).__name__}: {r}" for r in runs if isinstance(r, BaseException)]
-        for message in errors:
-            logger.warning("a run of group failed: %s", message)
-        return TrajectoryGroup(trajectories, exceptions=errors)
+        async def one() -> Trajectory:
+            _, trajectory = await self.run(starting_agent, input, reward=reward, context=context, max_turns=max_turns,
+                                           hooks=hooks, run_config=run_config, error_handlers=error_handlers)
+            return trajectory
+
+        return await gather_group(n, one)
 
 
 class AgentCapture:

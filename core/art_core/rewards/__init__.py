@@ -13,7 +13,7 @@ imports neither litellm nor torch; judges need ``pip install 'art-core[rewards]'
 
 from ._judge import JudgeUsage
 from ._prompt import DEFAULT_RUBRIC
-from .custom import GroupScorer, RewardFn, score_group
+from .custom import GroupScorer, RewardFn, reward_value, score_group
 from .ruler import DEFAULT_CACHE, ruler_score_group, ruler_step_scores
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "GroupScorer",
     "JudgeUsage",
     "RewardFn",
+    "reward_value",
     "ruler_score_group",
     "ruler_step_scores",
     "score_group",

@@ -24,7 +24,7 @@ from typing import Any, TypeAlias
 from ..errors import ConfigError, RewardError
 from ..types import Trajectory, TrajectoryGroup
 
-__all__ = ["GroupScorer", "RewardFn", "score_group"]
+__all__ = ["GroupScorer", "RewardFn", "reward_value", "score_group"]
 
 RewardFn: TypeAlias = Callable[[Trajectory, Any], float | Awaitable[float]]
 """A reward component: ``fn(trajectory, final_state) -> float``, sync or async."""
@@ -54,7 +54,8 @@ async def score_group(
             ``rewards``, and ``"ruler"`` when ``ruler`` is given. The reward is ``sum(weight * value)``,
             not normalised.
         final_states: one object per trajectory, in group order, passed as each function's second argument
-            (your agent's final state, the environment...). Default: None for every trajectory.
+            (your agent's final state, the environment...). Default: each trajectory's ``final_state`` (what
+            the adapters keep there: a graph's final state, an agent's final output; None otherwise).
         ruler: a group scorer run beside the functions, usually ``functools.partial(ruler_score_group,
             judge=...)``; its ``ruler_score`` is the ``"ruler"`` component, and its metrics and logs are kept.
 
@@ -71,7 +72,7 @@ async def score_group(
     _check_arguments(group, rewards, weights, final_states, ruler)
     if not group.trajectories:
         raise RewardError("the group has no trajectories: nothing to score")
-    states = list(final_states) if final_states is not None else [None] * len(group)
+    states = list(final_states) if final_states is not None else [t.final_state for t in group]
 
     # The functions and the judge run concurrently; the first error cancels the rest.
     tasks = [asyncio.ensure_future(_component_values(group, rewards, states))]
@@ -108,22 +109,37 @@ async def score_group(
     return scored
 
 
+async def reward_value(fn: RewardFn, trajectory: Trajectory, state: Any) -> float:
+    """``fn(trajectory, state)``, awaited when it is async, checked to be a finite number.
+
+    Raises:
+        RewardError: ``fn`` returned something other than a finite number.
+        Exception: whatever ``fn`` raised, unchanged (callers decide whether it ends the group).
+    """
+    value = fn(trajectory, state)
+    if inspect.isawaitable(value):
+        value = await value
+    if isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, int | float) or not math.isfinite(value):
+        raise _NotANumber(f"returned {value!r} for trajectory {trajectory.id!r}: return a finite number")
+    return float(value)
+
+
+class _NotANumber(RewardError):
+    """A reward function's value was not a finite number (the message starts with "returned ...")."""
+
+
 async def _component_values(group: TrajectoryGroup, rewards: Mapping[str, RewardFn],
                             states: list[Any]) -> dict[str, list[float]]:
     async def one(name: str, fn: RewardFn, trajectory: Trajectory, state: Any) -> float:
         try:
-            value = fn(trajectory, state)
-            if inspect.isawaitable(value):
-                value = await value
+            return await reward_value(fn, trajectory, state)
+        except _NotANumber as exc:
+            raise RewardError(f"reward {name!r} {exc}") from None
         except Exception as exc:
             raise RewardError(f"reward {name!r} failed on trajectory {trajectory.id!r}: "
                               f"{type(exc).__name__}: {exc}") from exc
-        if isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, int | float) or not math.isfinite(value):
-            raise RewardError(f"reward {name!r} returned {value!r} for trajectory {trajectory.id!r}: "
-                              "return a finite number")
-        return float(value)
 
     names = list(rewards)
     results = await asyncio.gather(*(
