@@ -20,12 +20,28 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Conversation", "fit_scripted_model"]
+__all__ = ["Conversation", "call", "fit_scripted_model", "say", "tool_result"]
 
 _FIT_VERSION = 2  # part of the cache key: bump it when fitting changes, so no stale fit is reused
 
 Conversation = tuple[list[dict[str, Any]], list[dict[str, Any]]]
 """``(messages, tools)`` in chat-completions format; each assistant message is a turn the model learns."""
+
+
+def call(name: str, **arguments: Any) -> dict[str, Any]:
+    """A scripted assistant turn that calls ``name`` (ids are not rendered, so one id serves every call)."""
+    return {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": name, "arguments": arguments}}]}
+
+
+def tool_result(content: str) -> dict[str, Any]:
+    """The tool's answer to the scripted call."""
+    return {"role": "tool", "tool_call_id": "call_1", "content": content}
+
+
+def say(text: str) -> dict[str, Any]:
+    """A scripted assistant turn of plain text."""
+    return {"role": "assistant", "content": text}
 
 
 def _turns(tokenizer: Any, conversation: Conversation) -> list[tuple[list[int], list[int]]]:

@@ -29,7 +29,7 @@ from art_core.engines.transformers import TransformersEngine
 from art_core.gateway import Gateway, GatewaySettings
 from art_plugins import _routing
 from art_plugins.langgraph import NoTrainableCallsError, TrainableGraph, trainable
-from scripted_model import fit_scripted_model
+from scripted_model import call, fit_scripted_model, say, tool_result
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore:create_react_agent:DeprecationWarning")
 
@@ -66,33 +66,20 @@ TRIM_SYSTEM = "Answer from the latest tool result."
 WRITER_SYSTEM = "Write a greeting."
 
 
-def _call(name: str, **arguments: int) -> dict[str, Any]:
-    return {"role": "assistant", "content": None,
-            "tool_calls": [{"id": "c", "type": "function", "function": {"name": name, "arguments": arguments}}]}
-
-
-def _tool(content: str) -> dict[str, Any]:
-    return {"role": "tool", "tool_call_id": "c", "content": content}
-
-
-def _say(text: str) -> dict[str, Any]:
-    return {"role": "assistant", "content": text}
-
-
 SCRIPT = [
     # The ReAct agent: two tool calls, then the answer.
     ([{"role": "system", "content": REACT_SYSTEM}, {"role": "user", "content": "What is (3 + 4) * 2?"},
-      _call("add", a=3, b=4), _tool("7"), _call("multiply", a=7, b=2), _tool("14"), _say("The answer is 14.")], TOOLS),
+      call("add", a=3, b=4), tool_result("7"), call("multiply", a=7, b=2), tool_result("14"), say("The answer is 14.")], TOOLS),
     # The custom graph's solver node.
     ([{"role": "system", "content": ROUTED_SYSTEM}, {"role": "user", "content": "Compute 5 + 6."},
-      _call("add", a=5, b=6), _tool("11"), _say("5 + 6 = 11.")], TOOLS),
+      call("add", a=5, b=6), tool_result("11"), say("5 + 6 = 11.")], TOOLS),
     # The trimming graph: the first call sees the question, the second only the trimmed context.
-    ([{"role": "system", "content": TRIM_SYSTEM}, {"role": "user", "content": "What is 2 + 2?"}, _call("add", a=2, b=2)],
+    ([{"role": "system", "content": TRIM_SYSTEM}, {"role": "user", "content": "What is 2 + 2?"}, call("add", a=2, b=2)],
      TOOLS),
-    ([{"role": "system", "content": TRIM_SYSTEM}, _call("add", a=2, b=2), _tool("4"), _say("It is 4.")], TOOLS),
+    ([{"role": "system", "content": TRIM_SYSTEM}, call("add", a=2, b=2), tool_result("4"), say("It is 4.")], TOOLS),
     # Two LLM nodes: the writer (trainable) and the critic (another model on another server).
-    ([{"role": "system", "content": WRITER_SYSTEM}, {"role": "user", "content": "Greet Ada."}, _say("Hello, Ada!")], []),
-    ([{"role": "system", "content": "Rate the greeting."}, {"role": "user", "content": "Hello, Ada!"}, _say("Good.")], []),
+    ([{"role": "system", "content": WRITER_SYSTEM}, {"role": "user", "content": "Greet Ada."}, say("Hello, Ada!")], []),
+    ([{"role": "system", "content": "Rate the greeting."}, {"role": "user", "content": "Hello, Ada!"}, say("Good.")], []),
 ]
 
 
@@ -197,10 +184,10 @@ def _assert_token_exact(trajectory: Any, model: TrainableModel) -> None:
     records = {r.request_id: r for r in model.rollout_records(trajectory.metadata["rollout_id"])}
     calls = [c for h in trajectory.histories() for c in h.calls]
     assert len(calls) == len(records) and {c.request_id for c in calls} == set(records)
-    for call in calls:
-        record = records[call.request_id]
-        assert call.completion_token_ids == record.completion_token_ids
-        assert call.prompt_token_ids == record.prompt_token_ids
+    for linked in calls:
+        record = records[linked.request_id]
+        assert linked.completion_token_ids == record.completion_token_ids
+        assert linked.prompt_token_ids == record.prompt_token_ids
 
 
 # --- the four graphs ----------------------------------------------------------------------------------

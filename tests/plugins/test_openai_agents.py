@@ -48,7 +48,7 @@ from art_core.training.trainer import ZeroVarianceGroupsWarning
 from art_plugins import _routing
 from art_plugins.openai_agents import NoTrainableCallsError, TrainableRunner
 
-from scripted_model import Conversation, fit_scripted_model
+from scripted_model import Conversation, call, fit_scripted_model, say, tool_result
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -119,19 +119,6 @@ def chat_tool(name: str, description: str, parameters: dict[str, Any], *, api: s
 def tools_of(agent: Agent[Any], api: str = "responses") -> list[dict[str, Any]]:
     return [chat_tool(t.name, t.description, t.params_json_schema, api=api)  # type: ignore[union-attr]
             for t in agent.tools]
-
-
-def call(name: str, **arguments: Any) -> dict[str, Any]:
-    return {"role": "assistant", "content": None,
-            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": name, "arguments": arguments}}]}
-
-
-def tool_result(content: str) -> dict[str, Any]:
-    return {"role": "tool", "tool_call_id": "call_1", "content": content}
-
-
-def say(text: str) -> dict[str, Any]:
-    return {"role": "assistant", "content": text}
 
 
 def ask(system: str, question: str) -> list[dict[str, Any]]:
