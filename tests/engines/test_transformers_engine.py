@@ -106,3 +106,69 @@ async def test_load_adapter_swaps_without_reloading_the_base(engine, tiny_model_
     with pytest.raises(ArtError, match="adapter_config.json"):
         await engine.load_adapter(tmp_path / "missing", step=5)
     assert engine.adapter_step == 4  # still serving the last good one
+
+
+# -- continuous batching: rows join a running batch and leave it as soon as they finish -------------------
+
+async def _wait_for_steps(engine, steps: int) -> None:
+    """Wait until the engine has decoded ``steps`` more steps."""
+    target = engine.stats["steps"] + steps
+    while engine.stats["steps"] < target:
+        await asyncio.sleep(0.001)
+
+
+async def test_a_request_joins_a_running_batch_and_returns_before_it_ends(engine):
+    engine.stop_ids = {-1}  # no early stop: every row runs to its max_tokens
+    long_prompt, short_prompt, longer_prompt = PROMPTS[0], PROMPTS[1], PROMPTS[0] + PROMPTS[2] + PROMPTS[1]
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    alone = [engine.generate_batch([p], [greedy])[0][0].token_ids for p in (short_prompt, longer_prompt)]
+    running = asyncio.create_task(engine.generate(long_prompt, SamplingParams(max_tokens=400, temperature=0)))
+    await _wait_for_steps(engine, 5)
+    joined = await asyncio.gather(engine.generate(short_prompt, greedy), engine.generate(longer_prompt, greedy))
+    assert not running.done()  # the joiners finished while the long request was still decoding
+    assert [j[0].token_ids for j in joined] == alone  # joining (and the padding it needs) changes nothing
+    assert engine.stats["max_rows"] == 3 and engine.stats["batches"] == 2 + 2  # the two above, then one each
+    (long,) = await running
+    assert len(long.token_ids) == 400
+    assert long.timings["generate"] > joined[0][0].timings["generate"]
+
+
+async def test_rows_that_joined_report_the_forward_pass_logprobs(engine):
+    engine.stop_ids = {-1}
+    running = asyncio.create_task(engine.generate(PROMPTS[2], SamplingParams(max_tokens=60, seed=1)))
+    await _wait_for_steps(engine, 3)
+    (first, second), = [await engine.generate(PROMPTS[0], SamplingParams(max_tokens=12, seed=2, n=2))]
+    await running
+    worst = 0.0
+    for out in (first, second):
+        ids = torch.tensor([PROMPTS[0] + out.token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(engine.model(input_ids=ids).logits[0, :-1].float(), -1)
+        n = len(PROMPTS[0])
+        rescored = logp[torch.arange(n - 1, ids.shape[1] - 1), ids[0, n:]]
+        worst = max(worst, (rescored - torch.tensor(out.logprobs)).abs().max().item())
+    print(f"rows that joined mid-batch: max |engine logprob - forward logprob| = {worst:.2e}")
+    assert worst < 1e-4
+    assert first.token_ids != second.token_ids  # n=2 rows share a prefill, not their samples
+
+
+async def test_a_short_answer_does_not_wait_for_a_long_one_in_its_batch(engine):
+    engine.stop_ids = {-1}
+    done_order: list[str] = []
+
+    async def run(name: str, tokens: int) -> None:
+        await engine.generate(PROMPTS[0], SamplingParams(max_tokens=tokens, temperature=0))
+        done_order.append(name)
+
+    await asyncio.gather(run("long", 300), run("short", 2))
+    assert done_order == ["short", "long"]
+    assert engine.stats["batches"] == 1  # both were admitted together
+
+
+async def test_an_abandoned_request_stops_decoding(engine):
+    engine.stop_ids = {-1}
+    task = asyncio.create_task(engine.generate(PROMPTS[0], SamplingParams(max_tokens=100_000, temperature=0)))
+    await _wait_for_steps(engine, 3)
+    task.cancel()
+    await asyncio.wait_for(engine.pause(), 30)  # returns only once the decode loop has let the row go
+    assert engine.stats["steps"] < 1000

@@ -63,3 +63,22 @@ async def test_smollm2_answers(smollm2_dir: Path):
     assert "Paris" in reply.choices[0].message.content
     text = engine.tokenizer.decode(record.completion_token_ids, skip_special_tokens=True)
     assert text == reply.choices[0].message.content
+
+
+@pytest.mark.parametrize("which", ["smollm2_dir", "tiny_model_dir"])
+def test_prompt_ids_are_what_transformers_encodes(which: str, request: pytest.FixtureRequest):
+    """The gateway encodes prompts through the Rust tokenizer directly; it must give transformers' ids."""
+    from transformers import AutoTokenizer
+
+    from art_core.gateway.tokens import encode_text, render_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(request.getfixturevalue(which))
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]
+    messages = [{"role": "system", "content": "Be brief.\n\n  Indented, tabs\tand ünïcödé 🙂."},
+                {"role": "user", "content": "What is 2+3? <tool_call> is a tag.\n\n\n"}]
+    expected = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False)
+    assert render_prompt(tokenizer, messages, tools) == list(expected)
+    for text in ("", " leading space", "<|im_end|>special", "a\n\nb", "x" * 500):
+        assert encode_text(tokenizer, text) == tokenizer.encode(text, add_special_tokens=False)

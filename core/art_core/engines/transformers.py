@@ -1,9 +1,12 @@
-"""The transformers engine: in-process sampling that batches concurrent requests.
+"""The transformers engine: in-process sampling with continuous batching.
 
-Requests that arrive while a batch runs wait for the next one, and each batch is one decode loop over
-all its rows: one prefill, then one forward step per token for every row together. Each row keeps its
-own temperature, top-p, seed, stop strings and token limit, so requests with different settings share a
-batch (``model.generate`` takes one setting for the whole batch, which would split them).
+One decode loop runs while there is work. Each step it admits the requests that have arrived since the
+last one (their prompts are prefilled and their rows join the running batch), samples one token for
+every row, hands each finished request back at once, and drops finished rows from the batch
+(``engines/_batch.py`` keeps the KV cache, masks and positions). A short answer therefore never waits
+for a long one, and a request that arrives mid-generation starts at the next step instead of waiting for
+the whole batch. Each row keeps its own temperature, top-p, seed, stop strings and token limit, so
+requests with different settings share a batch (``model.generate`` takes one setting for the whole batch).
 
 What it reports is what the trainer needs: completion ids up to and including the stop token, and the
 log-probability of each sampled token under the model's raw distribution (before temperature and top-p),
@@ -21,15 +24,19 @@ updates the served weights in place: ``mark_adapter_step`` then records the new 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from functools import partial
 from typing import Any, Literal
 
 import torch
 
-from ..errors import EngineError
+from ..errors import ArtError, EngineError
+from ._batch import RunningBatch
 from ._structured import JsonSchemaGuide, advance, allowed_tokens
 from .base import EngineOutput, SamplingParams, check_adapter_path
 
@@ -37,9 +44,27 @@ __all__ = ["TransformersEngine"]
 
 
 @dataclass
-class _Row:
+class _Request:
+    """One ``generate`` call: its prompt, its settings and, once admitted, its ``params.n`` rows."""
+
     prompt: list[int]
     params: SamplingParams
+    future: asyncio.Future[list[EngineOutput]] | None
+    """Settled from the decode thread; None for ``generate_batch`` (results are collected instead)."""
+    queued_at: float
+    rows: list[_Row] = field(default_factory=list)
+    admitted_at: float = 0.0
+    adapter_step: int = 0
+
+    @property
+    def abandoned(self) -> bool:
+        """The caller went away (its future was cancelled): its rows can stop."""
+        return self.future is not None and self.future.done()
+
+
+@dataclass
+class _Row:
+    request: _Request
     generator: torch.Generator | None
     matcher: Any = None
     """llguidance matcher when the row follows a JSON schema or grammar (``params.json_schema``/``grammar``)."""
@@ -48,13 +73,9 @@ class _Row:
     top: list[dict[int, float]] = field(default_factory=list)
     finish: Literal["stop", "length"] | None = None
 
-
-@dataclass
-class _Pending:
-    prompt: list[int]
-    params: SamplingParams
-    future: asyncio.Future[list[EngineOutput]]
-    queued_at: float
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
 
 
 class TransformersEngine:
@@ -76,15 +97,17 @@ class TransformersEngine:
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.stop_ids: set[int] = set(eos if isinstance(eos, list) else [eos])
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.stop_ids)
-        self._queue: list[_Pending] = []
+        self._queue: list[_Request] = []
+        self._queue_lock = threading.Lock()  # the event loop appends, the decode thread takes
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task[None] | None = None
         self._serving: asyncio.Event | None = None  # cleared while paused
-        self._idle: asyncio.Event | None = None  # set when no batch is running
+        self._idle: asyncio.Event | None = None  # set when no decode loop is running
         self._closed = False
         self._guide: JsonSchemaGuide | None = None  # built on the first request with a JSON schema
-        self.stats = {"batches": 0, "rows": 0, "tokens": 0}
-        """Counters since start: decode loops run, sequences decoded, tokens sampled."""
+        self.stats = {"batches": 0, "rows": 0, "tokens": 0, "steps": 0, "max_rows": 0}
+        """Counters since start: admissions (each prefills the requests that were waiting and adds their rows
+        to the running batch), sequences decoded, tokens sampled, decode steps, most rows decoded at once."""
 
     @classmethod
     async def from_pretrained(cls, model_dir: str | Path, *, adapter_dir: Path | None = None, adapter_step: int = 0,
@@ -121,15 +144,20 @@ class TransformersEngine:
             # Compile now: a schema or grammar llguidance refuses fails this request only (ConstraintError).
             await asyncio.to_thread(self._json_guide().check, params.json_schema, grammar=params.grammar)
         future: asyncio.Future[list[EngineOutput]] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(list(prompt_token_ids), params, future, time.perf_counter()))
+        with self._queue_lock:
+            self._queue.append(_Request(list(prompt_token_ids), params, future, time.perf_counter()))
         assert self._wakeup is not None
         self._wakeup.set()
         return await future
 
     async def load_adapter(self, path: Path, step: int) -> None:
-        """Load a PEFT adapter from ``path`` and serve it from the next batch on, without reloading the base."""
+        """Load a PEFT adapter from ``path`` and serve it from the next request on, without reloading the base.
+
+        Requests being decoded finish on the old adapter first; new ones wait for the swap.
+        """
         check_adapter_path(Path(path))
-        await self._wait_idle()
+        was_serving = self._serving is None or self._serving.is_set()
+        await self.pause()  # stop admitting, or a steady stream of requests would keep the loop busy forever
 
         def swap() -> None:
             from peft import PeftModel
@@ -149,14 +177,18 @@ class TransformersEngine:
             await asyncio.to_thread(swap)
         except Exception as exc:
             raise EngineError(f"could not load the adapter in {path} as step {step}: {exc}") from exc
-        self._adapter_step = step
+        else:
+            self._adapter_step = step
+        finally:
+            if was_serving:
+                await self.resume()
 
     def mark_adapter_step(self, step: int) -> None:
         """Record that the shared weights now are checkpoint ``step`` (in-process training updated them)."""
         self._adapter_step = step
 
     async def pause(self) -> None:
-        """Let the running batch finish; new requests wait until ``resume()``."""
+        """Let the requests being decoded finish; new ones wait until ``resume()``."""
         self._ensure_worker()
         assert self._serving is not None
         self._serving.clear()
@@ -181,10 +213,11 @@ class TransformersEngine:
             except asyncio.CancelledError:
                 pass
             self._worker = None
-        for pending in self._queue:
-            if not pending.future.done():
-                pending.future.set_exception(EngineError("the engine was closed before this request ran"))
-        self._queue.clear()
+        with self._queue_lock:
+            queued, self._queue = self._queue, []
+        for request in queued:
+            if request.future is not None and not request.future.done():
+                request.future.set_exception(EngineError("the engine was closed before this request ran"))
 
     # -- batching -------------------------------------------------------------------------------------
 
@@ -203,102 +236,132 @@ class TransformersEngine:
 
     async def _run(self) -> None:
         assert self._wakeup is not None and self._serving is not None and self._idle is not None
+        loop = asyncio.get_running_loop()
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
             await self._serving.wait()
-            while self._queue and self._serving.is_set():
-                batch, rows = [], 0
-                while self._queue and (not batch or rows + self._queue[0].params.n <= self.max_batch_rows):
-                    pending = self._queue.pop(0)
-                    batch.append(pending)
-                    rows += pending.params.n
-                self._idle.clear()
-                started = time.perf_counter()
-                try:
-                    results = await asyncio.to_thread(
-                        self.generate_batch, [p.prompt for p in batch], [p.params for p in batch])
-                except Exception as exc:  # one bad batch fails its requests, not the engine
-                    error = exc if isinstance(exc, EngineError) else EngineError(f"generation failed: {exc}")
-                    for p in batch:
-                        if not p.future.done():
-                            p.future.set_exception(error)
+            if not self._queue:
+                continue
+            self._idle.clear()
+            try:
+                # Runs while there is work; requests that arrive meanwhile join it (see _take_queued).
+                await asyncio.to_thread(self._decode, [], self._take_queued, partial(_settle_soon, loop))
+            finally:
+                self._idle.set()
+
+    def _take_queued(self, free_rows: int, batch_empty: bool) -> list[_Request]:
+        """Queued requests that fit in ``free_rows`` (called by the decode thread between steps)."""
+        assert self._serving is not None
+        taken: list[_Request] = []
+        if self._closed or not self._serving.is_set():
+            return taken
+        with self._queue_lock:
+            while self._queue and (self._queue[0].params.n <= free_rows or (batch_empty and not taken)):
+                request = self._queue.pop(0)
+                if request.abandoned:
                     continue
-                finally:
-                    self._idle.set()
-                finished = time.perf_counter()
-                for p, outputs in zip(batch, results):
-                    timed = [_with_timings(o, queue=started - p.queued_at, generate=finished - started)
-                             for o in outputs]
-                    if not p.future.done():  # the caller may have gone away
-                        p.future.set_result(timed)
+                taken.append(request)
+                free_rows -= request.params.n
+        return taken
 
     # -- the decode loop ------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def generate_batch(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> list[list[EngineOutput]]:
-        """Sample completions for several prompts in one decode loop (blocking).
+        """Sample completions for several prompts in one decode loop (blocking; bypasses the queue).
 
         Returns:
             For each prompt, its ``params.n`` outputs.
         """
-        rows: list[_Row] = []
-        for prompt, p in zip(prompts, params):
-            for k in range(p.n):
-                generator = None
-                if p.seed is not None:
-                    generator = torch.Generator().manual_seed(p.seed * 1_000_003 + k)
-                constrained = p.json_schema is not None or p.grammar is not None
-                matcher = self._json_guide().matcher(p.json_schema, grammar=p.grammar) if constrained else None
-                rows.append(_Row(prompt, p, generator, matcher))
-        step = self._adapter_step
-        self._decode(rows)
-        self.stats["batches"] += 1
-        self.stats["rows"] += len(rows)
-        self.stats["tokens"] += sum(len(r.tokens) for r in rows)
-        out, i = [], 0
-        for p in params:
-            out.append([EngineOutput(r.tokens, r.logprobs, r.finish or "length",
-                                     r.top if p.top_logprobs else None, step) for r in rows[i:i + p.n]])
-            i += p.n
-        return out
+        now = time.perf_counter()
+        requests = [_Request(list(prompt), p, None, now) for prompt, p in zip(prompts, params)]
+        results: dict[int, list[EngineOutput] | BaseException] = {}
+        self._decode(requests, lambda free, empty: [], lambda request, outcome: results.update({id(request): outcome}))
+        for outcome in results.values():
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return [results[id(r)] for r in requests]  # type: ignore[misc]
 
-    def _decode(self, rows: list[_Row]) -> None:
+    @torch.no_grad()
+    def _decode(self, first: list[_Request], take: Callable[[int, bool], list[_Request]],
+                settle: Callable[[_Request, list[EngineOutput] | BaseException], None]) -> None:
+        """Decode until no row is left and ``take`` gives nothing more; ``settle`` gets each request's result.
+
+        ``take(free_rows, batch_empty)`` is asked for more requests before every step. A failure fails
+        every request in the loop (one bad batch must not take the engine down) and ends the loop.
+        """
         model = self.model
-        device = next(model.parameters()).device
         was_training = model.training
         model.eval()
+        batch = RunningBatch(model, self.pad_id)
+        rows: list[_Row] = []
+        waiting = list(first)
         try:
-            width = max(len(r.prompt) for r in rows)
-            ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-            attention = torch.zeros((len(rows), width), dtype=torch.long)
-            for i, r in enumerate(rows):  # left padding: every prompt ends where decoding starts
-                ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
-                attention[i, width - len(r.prompt):] = 1
-            ids, attention = ids.to(device), attention.to(device)
-            positions = (attention.cumsum(-1) - 1).clamp(min=0)  # [R, W]: pads must not shift positions
-            out = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True,
-                        logits_to_keep=1)
-            cache, logits = out.past_key_values, out.logits[:, -1].float()  # [R, V]
-            longest = max(r.params.max_tokens for r in rows)
-            for _ in range(longest):
-                next_ids = self._sample(rows, logits)  # [R]
-                if all(r.finish for r in rows):
-                    break
-                attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
-                positions = positions[:, -1:] + 1
-                out = model(input_ids=next_ids[:, None].to(device), attention_mask=attention,
-                            position_ids=positions, past_key_values=cache, use_cache=True)
-                cache, logits = out.past_key_values, out.logits[:, -1].float()
+            while True:
+                free = self.max_batch_rows - len(rows)
+                if not waiting and (not rows or batch.can_join):
+                    waiting = take(free, not rows)
+                if waiting and (not rows or batch.can_join):
+                    rows += self._admit(batch, waiting)
+                    waiting = []
+                if not rows:
+                    return
+                if self._closed:
+                    raise EngineError("the engine was closed while this request ran")
+                assert batch.logits is not None
+                next_ids = self._sample(rows, batch.logits)
+                self.stats["steps"] += 1
+                for request in {id(r.request): r.request for r in rows if r.finish}.values():
+                    if all(r.finish for r in request.rows):
+                        settle(request, self._outputs(request))
+                keep = [i for i, r in enumerate(rows) if not r.finish and not r.request.abandoned]
+                if len(keep) < len(rows):
+                    batch.keep(keep)
+                    rows, next_ids = [rows[i] for i in keep], next_ids[keep]
+                if rows:
+                    batch.step(next_ids)
+        except BaseException as exc:
+            error = exc if isinstance(exc, ArtError) else EngineError(f"generation failed: {exc!r}")
+            if error is not exc:
+                error.__cause__ = exc
+            unsettled = {id(r.request): r.request for r in rows} | {id(r): r for r in waiting}
+            for request in unsettled.values():
+                settle(request, error)
+            if not isinstance(exc, Exception):
+                raise
         finally:
             model.train(was_training)
+
+    def _admit(self, batch: RunningBatch, requests: list[_Request]) -> list[_Row]:
+        """Prefill ``requests`` into the batch (each prompt once, then copied to its n rows); their new rows."""
+        now, step = time.perf_counter(), self._adapter_step
+        rows: list[_Row] = []
+        for request in requests:
+            request.admitted_at, request.adapter_step = now, step
+            p = request.params
+            constrained = p.json_schema is not None or p.grammar is not None
+            for k in range(p.n):
+                generator = torch.Generator().manual_seed(p.seed * 1_000_003 + k) if p.seed is not None else None
+                matcher = self._json_guide().matcher(p.json_schema, grammar=p.grammar) if constrained else None
+                request.rows.append(_Row(request, generator, matcher))
+            rows += request.rows
+        batch.add([r.prompt for r in requests], [r.params.n for r in requests])
+        self.stats["batches"] += 1
+        self.stats["rows"] += len(rows)
+        self.stats["max_rows"] = max(self.stats["max_rows"], len(batch))
+        return rows
+
+    def _outputs(self, request: _Request) -> list[EngineOutput]:
+        timings = {"queue": request.admitted_at - request.queued_at,
+                   "generate": time.perf_counter() - request.admitted_at}
+        self.stats["tokens"] += sum(len(r.tokens) for r in request.rows)
+        return [EngineOutput(r.tokens, r.logprobs, r.finish or "length", r.top if request.params.top_logprobs else None,
+                             request.adapter_step, timings) for r in request.rows]
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
         logprobs = torch.log_softmax(logits, dim=-1).cpu()  # [R, V] raw: what the trainer computes
         chosen = torch.full((len(rows),), self.pad_id, dtype=torch.long)
         for i, row in enumerate(rows):
-            if row.finish:
-                continue  # finished rows ride along (static batch) with a pad token
             candidates = logprobs[i]  # [V]
             if row.matcher is not None:  # sample among the tokens the schema allows; report the raw logprob
                 allowed = allowed_tokens(row.matcher, candidates.numel())  # [V] bool
@@ -342,10 +405,26 @@ def _choose(logprobs: torch.Tensor, params: SamplingParams, generator: torch.Gen
         sorted_p, order = scaled.sort(descending=True)
         keep = sorted_p.cumsum(0) - sorted_p < params.top_p  # smallest set whose mass reaches top_p
         scaled = torch.zeros_like(scaled).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(scaled, 1, generator=generator))
+    # Inverse-CDF sampling: one uniform draw against the cumulative mass. Exact, and ~30x faster on CPU than
+    # torch.multinomial over a 50k vocabulary (which draws a whole vector of randoms per call). Zero-mass
+    # tokens have empty intervals, so they are never picked; float64 keeps the tail intervals exact.
+    cdf = scaled.double().cumsum(0)
+    u = torch.rand((1,), generator=generator, dtype=torch.float64) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), cdf.numel() - 1)
 
 
-def _with_timings(output: EngineOutput, **timings: float) -> EngineOutput:
-    from dataclasses import replace
+def _settle_soon(loop: asyncio.AbstractEventLoop, request: _Request,
+                 outcome: list[EngineOutput] | BaseException) -> None:
+    """Hand a result from the decode thread to the waiting coroutine, on its event loop."""
 
-    return replace(output, timings={**output.timings, **timings})
+    def settle() -> None:
+        future = request.future
+        if future is None or future.done():  # the caller may have gone away
+            return
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+    with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody is waiting any more
+        loop.call_soon_threadsafe(settle)

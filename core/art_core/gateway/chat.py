@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
@@ -41,7 +41,7 @@ from .schemas import (
     Usage,
 )
 from .served import check_model
-from .state import GatewayState, call_caller, get_state, rollout_scope
+from .state import GatewayState, request_scope
 from .streaming import StreamedChoice, sse_chunks
 from .tokens import Detokenizer, render_prompt, template_message
 from .tool_calls import ParsedToolCall, format_tool_call_id, hermes_tool_call_grammar, parse_tool_calls
@@ -66,11 +66,9 @@ class _Answer:
 
 
 @router.post("/chat/completions")
-async def chat_completions(
-    request: Request, state: GatewayState = Depends(get_state), rollout_id: str | None = Depends(rollout_scope),
-    caller: str | None = Depends(call_caller),
-) -> Response:
+async def chat_completions(request: Request) -> Response:
     """OpenAI's chat completions, served by the engine and recorded token-exactly."""
+    state, rollout_id, caller = request_scope(request)  # plain calls, not Depends: see request_scope
     started = time.perf_counter()
     created = time.time()
     raw = await _json_object(request)

@@ -36,7 +36,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -48,7 +48,7 @@ from .errors import APIError
 from .records import ExchangeRecord
 from .schemas import ChatCompletionRequest, FunctionDefinition, JsonSchemaFormat, TokenLogprob
 from .served import check_model
-from .state import GatewayState, call_caller, get_state, rollout_scope
+from .state import GatewayState, request_scope
 from .streaming import _sse
 from .tokens import Detokenizer, render_prompt, template_message
 from .tool_calls import ContentDelta, ToolCallStream, format_tool_call_id
@@ -263,11 +263,9 @@ class ResponseObject(BaseModel):
 
 
 @router.post("/responses")
-async def create_response(
-    request: Request, state: GatewayState = Depends(get_state), rollout_id: str | None = Depends(rollout_scope),
-    caller: str | None = Depends(call_caller),
-) -> Response:
+async def create_response(request: Request) -> Response:
     """OpenAI's Responses API, served by the engine and recorded token-exactly."""
+    state, rollout_id, caller = request_scope(request)  # plain calls, not Depends: see request_scope
     started = time.perf_counter()
     created = time.time()
     raw = await _json_object(request)

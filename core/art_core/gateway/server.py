@@ -99,6 +99,11 @@ class Gateway:
             log_config=None,  # leave the host program's logging configuration alone
             access_log=False, lifespan="off",
             timeout_graceful_shutdown=30,  # on close, in-flight generations get this long to finish
+            # Longer than clients keep idle connections (httpx: 5 s, aiohttp: 15 s), so the client always
+            # closes first. uvicorn's 5 s default races with them: a request sent on a pooled connection
+            # as the server closes it is lost, and after the host blocked the loop for a while, every
+            # idle connection's timer fires at once (seen: 4 of 8 requests hung until the client timeout).
+            timeout_keep_alive=75,
         )
         server = _EmbeddedServer(config)
         self._server = server

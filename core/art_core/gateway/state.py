@@ -16,7 +16,7 @@ from .settings import GatewaySettings
 from .tokens import Detokenizer
 
 __all__ = ["CALLER_HEADER", "ROLLOUT_ID_PATTERN", "GatewayState", "call_caller", "check_rollout_id", "get_state",
-           "rollout_scope"]
+           "request_scope", "rollout_scope"]
 
 CALLER_HEADER = "X-Art-Caller"
 """Names the part of an agent that made a call (a graph node, an agent); kept in the call's record."""
@@ -53,7 +53,37 @@ def check_rollout_id(value: str, *, where: str) -> str:
     return value
 
 
+def request_scope(request: Request) -> tuple[GatewayState, str | None, str | None]:
+    """The app's state, the request's rollout id and its caller label, for the completion routes.
+
+    Those routes call this directly rather than declaring three FastAPI dependencies: resolving them
+    costs about 0.1 ms a request, a tenth of the gateway's own overhead (benchmark part (c)).
+
+    Raises:
+        APIError: 400 for an invalid rollout id or caller label (see ``rollout_scope``, ``call_caller``).
+    """
+    return request.app.state.gateway, _rollout_of(request), _caller_of(request)
+
+
 async def rollout_scope(request: Request) -> str | None:
+    """The rollout a request belongs to: ``/rollouts/{id}/v1/...`` or the ``X-Rollout-Id`` header (a dependency).
+
+    Raises:
+        APIError: 400 for an invalid id, or when path and header name different rollouts.
+    """
+    return _rollout_of(request)
+
+
+async def call_caller(request: Request) -> str | None:
+    """The ``X-Art-Caller`` header: which part of the agent made the call (a dependency).
+
+    Raises:
+        APIError: 400 when the header is empty, too long or holds control characters.
+    """
+    return _caller_of(request)
+
+
+def _rollout_of(request: Request) -> str | None:
     """The rollout a request belongs to: ``/rollouts/{id}/v1/...`` or the ``X-Rollout-Id`` header.
 
     Raises:
@@ -74,7 +104,7 @@ async def rollout_scope(request: Request) -> str | None:
     return from_path if from_path is not None else from_header
 
 
-async def call_caller(request: Request) -> str | None:
+def _caller_of(request: Request) -> str | None:
     """The ``X-Art-Caller`` header: which part of the agent made the call (1-200 printable characters).
 
     Raises:
