@@ -82,3 +82,46 @@ def test_prompt_ids_are_what_transformers_encodes(which: str, request: pytest.Fi
     assert render_prompt(tokenizer, messages, tools) == list(expected)
     for text in ("", " leading space", "<|im_end|>special", "a\n\nb", "x" * 500):
         assert encode_text(tokenizer, text) == tokenizer.encode(text, add_special_tokens=False)
+
+
+async def test_load_on_the_continuously_batched_engine(tiny_gateway: Gateway):
+    """200+ requests from 32 sessions on the real engine: rows join and leave the running batch all the time.
+
+    Every request is answered, each choice has exactly one record under its own rollout, and greedy
+    choices are token for token what the same prompt gives decoded alone (joining a batch, the padding
+    it needs and rows leaving around it change nothing).
+    """
+    engine = tiny_gateway.engine
+    sessions, per_session = 32, 7  # 224 requests
+    answered: dict[str, list[str]] = {}
+
+    async def session(k: int) -> None:
+        rollout = f"load-{k}"
+        async with openai.AsyncOpenAI(base_url=tiny_gateway.rollout_base_url(rollout), api_key="k",
+                                      max_retries=0) as client:
+            for j in range(per_session):
+                n = 2 if j % 3 == 0 else 1
+                reply = await client.chat.completions.create(
+                    model="agent", messages=[{"role": "user", "content": f"{rollout} question {j} " + "x" * (k % 5)}],
+                    max_tokens=1 + (k + j) % 12, n=n, temperature=0 if j % 2 else 1.0, seed=k * 100 + j)
+                answered.setdefault(rollout, []).extend(c.message.content or "" for c in reply.choices)
+
+    await asyncio.gather(*(session(k) for k in range(sessions)))
+    assert engine.stats["max_rows"] > 8  # the load did batch (a batch per request would give 1 or 2)
+    tokenizer = engine.tokenizer
+    greedy_checked = 0
+    for k in range(sessions):
+        rollout = f"load-{k}"
+        records = tiny_gateway.records.for_rollout(rollout)
+        assert len(records) == len(answered[rollout])
+        assert all(r.request["messages"][0]["content"].startswith(f"{rollout} ") for r in records)
+        assert [tokenizer.decode(r.completion_token_ids, skip_special_tokens=True) for r in records] == answered[rollout]
+        for record in records:
+            if record.request.get("temperature") == 0 and greedy_checked < 24:
+                from art_core.engines.base import SamplingParams
+
+                (alone,) = engine.generate_batch([record.prompt_token_ids], [SamplingParams(
+                    max_tokens=record.request["max_tokens"], temperature=0)])[0]
+                assert alone.token_ids == record.completion_token_ids
+                greedy_checked += 1
+    assert greedy_checked == 24
