@@ -172,3 +172,27 @@ async def test_an_abandoned_request_stops_decoding(engine):
     task.cancel()
     await asyncio.wait_for(engine.pause(), 30)  # returns only once the decode loop has let the row go
     assert engine.stats["steps"] < 1000
+
+
+def test_the_sampler_draws_from_the_tempered_top_p_distribution():
+    """Inverse-CDF sampling: frequencies follow softmax(logprobs / T), cut to top-p, and zero-mass tokens never come."""
+    from art_core.engines.transformers import _choose
+
+    logprobs = torch.log_softmax(torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, float("-inf")]), -1)
+    generator = torch.Generator().manual_seed(0)
+    draws = 20_000
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.5),
+                   SamplingParams(temperature=1.0, top_p=0.8)):
+        probs = torch.softmax(logprobs / params.temperature, -1)
+        if params.top_p < 1.0:  # the smallest set of most likely tokens whose mass reaches top_p, renormalised
+            ordered, order = probs.sort(descending=True)
+            keep = order[(ordered.cumsum(0) - ordered) < params.top_p]
+            probs = torch.zeros_like(probs).index_fill(0, keep, 1.0) * probs
+            probs /= probs.sum()
+        counts = torch.bincount(torch.tensor([_choose(logprobs, params, generator) for _ in range(draws)]),
+                                minlength=len(probs)).double()
+        expected = probs.double() * draws
+        assert counts[-1] == 0 and (counts[expected == 0] == 0).all()
+        # Each count within 5 binomial standard deviations of its expectation.
+        sd = (draws * probs.double() * (1 - probs.double())).sqrt()
+        assert ((counts - expected).abs() <= 5 * sd + 1e-9).all(), (params, counts.tolist(), expected.tolist())
