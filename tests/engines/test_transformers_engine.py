@@ -22,6 +22,19 @@ async def engine(tiny_model_dir):
     await engine.aclose()
 
 
+def _worst_logprob_gap(engine, prompt: list[int], outs) -> float:
+    """Largest |engine logprob - logprob from a fresh forward pass| over the sampled tokens of ``outs``."""
+    worst = 0.0
+    for out in outs:
+        ids = torch.tensor([prompt + out.token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(engine.model(input_ids=ids).logits[0, :-1].float(), -1)
+        n = len(prompt)
+        rescored = logp[torch.arange(n - 1, ids.shape[1] - 1), ids[0, n:]]
+        worst = max(worst, (rescored - torch.tensor(out.logprobs)).abs().max().item())
+    return worst
+
+
 async def test_it_is_an_engine(engine):
     assert isinstance(engine, Engine)
 
@@ -39,14 +52,7 @@ async def test_greedy_batch_equals_model_generate_one_by_one(engine):
 
 async def test_logprobs_match_a_forward_pass(engine):
     (outs,) = engine.generate_batch([PROMPTS[0]], [SamplingParams(max_tokens=16, temperature=1.0, seed=3, n=4)])
-    worst = 0.0
-    for out in outs:
-        ids = torch.tensor([PROMPTS[0] + out.token_ids])
-        with torch.no_grad():
-            logp = torch.log_softmax(engine.model(input_ids=ids).logits[0, :-1].float(), -1)
-        n = len(PROMPTS[0])
-        rescored = logp[torch.arange(n - 1, ids.shape[1] - 1), ids[0, n:]]
-        worst = max(worst, (rescored - torch.tensor(out.logprobs)).abs().max().item())
+    worst = _worst_logprob_gap(engine, PROMPTS[0], outs)
     print(f"max |engine logprob - forward logprob| = {worst:.2e}")
     assert worst < 1e-4
 
@@ -139,14 +145,7 @@ async def test_rows_that_joined_report_the_forward_pass_logprobs(engine):
     await _wait_for_steps(engine, 3)
     (first, second), = [await engine.generate(PROMPTS[0], SamplingParams(max_tokens=12, seed=2, n=2))]
     await running
-    worst = 0.0
-    for out in (first, second):
-        ids = torch.tensor([PROMPTS[0] + out.token_ids])
-        with torch.no_grad():
-            logp = torch.log_softmax(engine.model(input_ids=ids).logits[0, :-1].float(), -1)
-        n = len(PROMPTS[0])
-        rescored = logp[torch.arange(n - 1, ids.shape[1] - 1), ids[0, n:]]
-        worst = max(worst, (rescored - torch.tensor(out.logprobs)).abs().max().item())
+    worst = _worst_logprob_gap(engine, PROMPTS[0], [first, second])
     print(f"rows that joined mid-batch: max |engine logprob - forward logprob| = {worst:.2e}")
     assert worst < 1e-4
     assert first.token_ids != second.token_ids  # n=2 rows share a prefill, not their samples

@@ -78,8 +78,6 @@ class RunningBatch:
 
     def keep(self, rows: list[int]) -> None:
         """Keep only these rows (in this order) and drop the leading columns none of them attends to."""
-        if len(rows) == len(self) and rows == list(range(len(self))):
-            return
         if not rows:
             self._cache = self._attention = self._positions = self.logits = None
             self.can_join = True

@@ -29,8 +29,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from functools import partial
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -298,12 +298,11 @@ class TransformersEngine:
         waiting = list(first)
         try:
             while True:
-                free = self.max_batch_rows - len(rows)
-                if not waiting and (not rows or batch.can_join):
-                    waiting = take(free, not rows)
-                if waiting and (not rows or batch.can_join):
-                    rows += self._admit(batch, waiting)
-                    waiting = []
+                if not rows or batch.can_join:
+                    waiting = waiting or take(self.max_batch_rows - len(rows), not rows)
+                    if waiting:
+                        rows += self._admit(batch, waiting)
+                        waiting = []
                 if not rows:
                     return
                 if self._closed:

@@ -15,8 +15,8 @@ from .records import RecordStore
 from .settings import GatewaySettings
 from .tokens import Detokenizer
 
-__all__ = ["CALLER_HEADER", "ROLLOUT_ID_PATTERN", "GatewayState", "call_caller", "check_rollout_id", "get_state",
-           "request_scope", "rollout_scope"]
+__all__ = ["CALLER_HEADER", "ROLLOUT_ID_PATTERN", "GatewayState", "check_rollout_id", "get_state", "request_scope",
+           "rollout_scope"]
 
 CALLER_HEADER = "X-Art-Caller"
 """Names the part of an agent that made a call (a graph node, an agent); kept in the call's record."""
@@ -60,7 +60,7 @@ def request_scope(request: Request) -> tuple[GatewayState, str | None, str | Non
     costs about 0.1 ms a request, a tenth of the gateway's own overhead (benchmark part (c)).
 
     Raises:
-        APIError: 400 for an invalid rollout id or caller label (see ``rollout_scope``, ``call_caller``).
+        APIError: 400 for an invalid rollout id or caller label (see ``rollout_scope`` and ``_caller_of``).
     """
     return request.app.state.gateway, _rollout_of(request), _caller_of(request)
 
@@ -72,15 +72,6 @@ async def rollout_scope(request: Request) -> str | None:
         APIError: 400 for an invalid id, or when path and header name different rollouts.
     """
     return _rollout_of(request)
-
-
-async def call_caller(request: Request) -> str | None:
-    """The ``X-Art-Caller`` header: which part of the agent made the call (a dependency).
-
-    Raises:
-        APIError: 400 when the header is empty, too long or holds control characters.
-    """
-    return _caller_of(request)
 
 
 def _rollout_of(request: Request) -> str | None:
