@@ -3,7 +3,7 @@
 Importing this package does not import torch: the training stack loads when a backend first needs it.
 """
 
-from .backends.local import LocalBackend
+from .backends import Backend, LocalBackend, ModelSpec, TrainResult
 from .config import LoraSettings, TrainConfig
 from .errors import (
     ArtError,
@@ -33,6 +33,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArtError",
+    "Backend",
     "BaseModelNotFoundError",
     "CallRecord",
     "CheckpointError",
@@ -44,9 +45,11 @@ __all__ = [
     "LocalBackend",
     "LoraSettings",
     "Message",
+    "ModelSpec",
     "RewardError",
     "ToolCall",
     "TrainConfig",
+    "TrainResult",
     "TrainableModel",
     "TrainingError",
     "Trajectory",

@@ -18,7 +18,7 @@ from .errors import ConfigError, LifecycleError
 from .types import CallRecord, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
-    from .backends.local import LocalBackend
+    from .backends.base import Backend, ModelSpec
     from .gateway.records import ExchangeRecord
 
 __all__ = ["TrainableModel"]
@@ -52,8 +52,11 @@ class TrainableModel:
         self.project = _check_name("project name", project)
         self.base_model = base_model
         self.lora = lora or LoraSettings()
-        self._backend: LocalBackend | None = None
+        self._backend: Backend | None = None
         self._step = 0
+        from .backends.base import ModelSpec
+
+        self._spec = ModelSpec(name=self.name, project=self.project, base_model=str(base_model), lora=self.lora)
 
     def __repr__(self) -> str:
         return f"TrainableModel(name={self.name!r}, project={self.project!r}, step={self._step})"
@@ -64,22 +67,37 @@ class TrainableModel:
         return self._step
 
     @property
-    def backend(self) -> LocalBackend:
+    def spec(self) -> ModelSpec:
+        """The plain-data description a backend loads the model from (name, project, base model, LoRA)."""
+        return self._spec
+
+    @property
+    def backend(self) -> Backend:
+        """The backend the model is registered with (any implementation of ``art_core.backends.Backend``)."""
         if self._backend is None:
             raise LifecycleError(f"model {self.name!r} is not registered: call `await model.register(backend)` first")
         return self._backend
 
-    async def register(self, backend: LocalBackend) -> None:
+    async def register(self, backend: Backend) -> None:
         """Attach to a backend: loads the base model and resumes from the latest complete checkpoint.
+
+        Args:
+            backend: ``LocalBackend``, ``RemoteBackend``, ``RayBackend`` or any ``Backend`` implementation.
 
         Raises:
             LifecycleError: the model is already registered.
+            ConfigError: ``backend`` does not implement the ``Backend`` contract.
             BaseModelNotFoundError: the base model cannot be found.
         """
+        from .backends.base import Backend
+
         if self._backend is not None:
             raise LifecycleError(f"model {self.name!r} is already registered; create another TrainableModel "
                                  "to register it elsewhere")
-        self._step = await backend._register(self)
+        if not isinstance(backend, Backend):
+            raise ConfigError(f"register() needs a backend (LocalBackend, RemoteBackend, ...), got "
+                              f"{type(backend).__name__}: it lacks methods of art_core.backends.Backend")
+        self._step = await backend.register(self.spec)
         self._backend = backend
 
     async def train(self, groups: Sequence[TrajectoryGroup], *, config: TrainConfig | None = None) -> dict[str, float]:
@@ -94,8 +112,9 @@ class TrainableModel:
         groups = list(groups)
         if not groups:
             raise ConfigError("train() got no group: gather at least one TrajectoryGroup first")
-        metrics, self._step = await self.backend._train(self, groups, config or TrainConfig())
-        return metrics
+        result = await self.backend.train(self.spec, groups, config or TrainConfig())
+        self._step = result.step
+        return result.metrics
 
     async def sample(self, messages: Sequence[dict[str, Any]], *, n: int = 1, max_tokens: int = 256,
                      temperature: float = 1.0, tools: list[dict[str, Any]] | None = None,
@@ -104,22 +123,22 @@ class TrainableModel:
 
         Agents reach the model through the gateway; this is the direct path for simple tasks and tests.
         """
-        return await self.backend._sample(self, list(messages), n=n, max_tokens=max_tokens,
-                                          temperature=temperature, tools=tools, seed=seed)
+        return await self.backend.sample(self.spec, list(messages), n=n, max_tokens=max_tokens,
+                                         temperature=temperature, tools=tools, seed=seed)
 
     @property
     def base_url(self) -> str:
         """The gateway's OpenAI base URL (``http://127.0.0.1:PORT/v1``), for any OpenAI-compatible client."""
-        return self.backend._gateway(self).base_url
+        return self.backend.base_url(self.spec)
 
     @property
     def api_key(self) -> str | None:
         """The key the gateway wants in ``Authorization: Bearer``; None when it listens on loopback only."""
-        return self.backend._gateway(self).settings.api_key
+        return self.backend.api_key(self.spec)
 
     def rollout_base_url(self, rollout_id: str) -> str:
         """A base URL whose calls the gateway records under ``rollout_id``."""
-        return self.backend._gateway(self).rollout_base_url(rollout_id)
+        return self.backend.rollout_base_url(self.spec, rollout_id)
 
     def rollout_calls(self, rollout_id: str) -> list[CallRecord]:
         """The token-exact records of a rollout's calls, oldest first, ready for ``Trajectory.calls``."""
@@ -127,7 +146,7 @@ class TrainableModel:
 
     def rollout_records(self, rollout_id: str) -> list[ExchangeRecord]:
         """The gateway's full records of a rollout's calls (conversation, reply, tokens), oldest first."""
-        return self.backend._gateway(self).records.for_rollout(rollout_id)
+        return self.backend.rollout_records(self.spec, rollout_id)
 
     def rollout_trajectory(self, rollout_id: str, **fields: Any) -> Trajectory:
         """The rollout rebuilt from its records, one history per distinct context (see ``art_core.trajectories``).
@@ -142,4 +161,16 @@ class TrainableModel:
     @property
     def model_dir(self) -> Path:
         """``<root>/<project>/models/<name>``: checkpoints, trajectories and history."""
-        return self.backend._model_dir(self)
+        return self.backend.model_dir(self.spec)
+
+    async def checkpoints(self) -> list[int]:
+        """The steps of the complete checkpoints on the backend's disk, oldest first."""
+        return await self.backend.checkpoints(self.spec)
+
+    async def delete_checkpoints(self, steps: Sequence[int]) -> list[int]:
+        """Delete checkpoints by step (the one being served is kept); returns the steps deleted."""
+        return await self.backend.delete_checkpoints(self.spec, list(steps))
+
+    async def history(self) -> list[dict[str, Any]]:
+        """The rows of ``history.jsonl``: one per ``train`` call, with its metrics."""
+        return await self.backend.history(self.spec)

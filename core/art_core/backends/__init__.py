@@ -1,1 +1,7 @@
-"""Where training runs: ``LocalBackend`` (this process). A remote backend follows in a later release."""
+"""Where training runs. ``Backend`` is the contract ``TrainableModel`` talks to; ``LocalBackend`` implements it
+in this process."""
+
+from .base import Backend, ModelSpec, TrainResult
+from .local import LocalBackend
+
+__all__ = ["Backend", "LocalBackend", "ModelSpec", "TrainResult"]

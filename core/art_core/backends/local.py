@@ -13,7 +13,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +24,12 @@ from ..engines.base import SamplingParams
 from ..errors import ConfigError, LifecycleError
 from ..types import CallRecord, Message, Trajectory, TrajectoryGroup, write_groups_jsonl
 
+from .base import ModelSpec, TrainResult
+
 if TYPE_CHECKING:
     from ..engines.transformers import TransformersEngine
     from ..gateway import Gateway
-    from ..model import TrainableModel
+    from ..gateway.records import ExchangeRecord
     from ..training.trainer import GRPOTrainer
 
 __all__ = ["LocalBackend"]
@@ -46,7 +48,7 @@ class _Slot:
 
 
 class LocalBackend:
-    """Runs training and sampling in this process.
+    """Runs training and sampling in this process; implements ``art_core.backends.Backend``.
 
     Args:
         path: root folder of projects (checkpoints, trajectories, history).
@@ -82,12 +84,12 @@ class LocalBackend:
             await slot.engine.aclose()
         self._slots.clear()
 
-    # -- called by TrainableModel ---------------------------------------------------------------------
+    # -- the Backend contract (called by TrainableModel) ----------------------------------------------
 
-    def _model_dir(self, model: TrainableModel) -> Path:
+    def model_dir(self, model: ModelSpec) -> Path:
         return self.path / model.project / "models" / model.name
 
-    async def _register(self, model: TrainableModel) -> int:
+    async def register(self, model: ModelSpec) -> int:
         self._check_open()
         key = (model.project, model.name)
         if key in self._slots:
@@ -99,38 +101,35 @@ class LocalBackend:
         self._slots[key] = slot
         return slot.step
 
-    async def _start_gateway(self, model: TrainableModel, slot: _Slot) -> Gateway:
-        try:
-            from ..gateway import Gateway, GatewaySettings, RecordStore
-        except ImportError as exc:
-            raise ConfigError(f"serving needs the gateway's dependencies ({exc.name} is missing): "
-                              "pip install 'art-core[serve]', or LocalBackend(serve=False)") from exc
-        base_name = Path(str(model.base_model)).name  # a folder path is served under its last component
-        settings = GatewaySettings(model_name=model.name, base_model_name=base_name,
-                                   records_path=slot.model_dir / "records.jsonl")
-        return await Gateway(slot.engine, settings, RecordStore(settings.records_path)).start()
+    def base_url(self, model: ModelSpec) -> str:
+        return self._gateway(model).base_url
 
-    def _gateway(self, model: TrainableModel) -> Gateway:
-        gateway = self._slot(model).gateway
-        if gateway is None:
-            raise LifecycleError("this LocalBackend was created with serve=False: it runs no gateway")
-        return gateway
+    def api_key(self, model: ModelSpec) -> str | None:
+        return self._gateway(model).settings.api_key
 
-    async def _train(self, model: TrainableModel, groups: list[TrajectoryGroup],
-                     config: TrainConfig) -> tuple[dict[str, float], int]:
+    def rollout_base_url(self, model: ModelSpec, rollout_id: str) -> str:
+        return self._gateway(model).rollout_base_url(rollout_id)
+
+    def rollout_records(self, model: ModelSpec, rollout_id: str) -> list[ExchangeRecord]:
+        return self._gateway(model).records.for_rollout(rollout_id)
+
+    async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig) -> TrainResult:
         slot = self._slot(model)
         if slot.gateway is not None:
             await slot.gateway.pause_for_training()  # in-flight requests finish; new ones wait
         try:
-            return await asyncio.to_thread(self._with_threads, lambda: self._train_sync(slot, groups, config))
+            metrics, step = await asyncio.to_thread(self._with_threads,
+                                                    lambda: self._train_sync(slot, list(groups), config))
+            return TrainResult(metrics=metrics, step=step)
         finally:
             if slot.gateway is not None:
                 # Checks that the engine serves the step just written; requests stay held if not.
                 await slot.gateway.resume_after_training(slot.step)
 
-    async def _sample(self, model: TrainableModel, messages: list[dict[str, Any]], *, n: int, max_tokens: int,
-                      temperature: float, tools: list[dict[str, Any]] | None, seed: int | None) -> list[Trajectory]:
+    async def sample(self, model: ModelSpec, messages: Sequence[dict[str, Any]], *, n: int, max_tokens: int,
+                     temperature: float, tools: list[dict[str, Any]] | None, seed: int | None) -> list[Trajectory]:
         slot = self._slot(model)
+        messages = list(messages)
 
         def run() -> list[Trajectory]:
             tokenizer = slot.engine.tokenizer
@@ -150,9 +149,44 @@ class LocalBackend:
 
         return await asyncio.to_thread(self._with_threads, run)
 
+    async def checkpoints(self, model: ModelSpec) -> list[int]:
+        from ..training.checkpoints import list_checkpoints
+
+        self._check_open()
+        return [c.step for c in list_checkpoints(self.model_dir(model))]
+
+    async def delete_checkpoints(self, model: ModelSpec, steps: Sequence[int]) -> list[int]:
+        from ..training.checkpoints import delete_checkpoints
+
+        slot = self._slot(model)
+        return delete_checkpoints(slot.model_dir, steps, keep=slot.step)
+
+    async def history(self, model: ModelSpec) -> list[dict[str, Any]]:
+        self._check_open()
+        return read_history(self.model_dir(model) / "history.jsonl")
+
+    # -- serving ----------------------------------------------------------------------------------------
+
+    async def _start_gateway(self, model: ModelSpec, slot: _Slot) -> Gateway:
+        try:
+            from ..gateway import Gateway, GatewaySettings, RecordStore
+        except ImportError as exc:
+            raise ConfigError(f"serving needs the gateway's dependencies ({exc.name} is missing): "
+                              "pip install 'art-core[serve]', or LocalBackend(serve=False)") from exc
+        base_name = Path(str(model.base_model)).name  # a folder path is served under its last component
+        settings = GatewaySettings(model_name=model.name, base_model_name=base_name,
+                                   records_path=slot.model_dir / "records.jsonl")
+        return await Gateway(slot.engine, settings, RecordStore(settings.records_path)).start()
+
+    def _gateway(self, model: ModelSpec) -> Gateway:
+        gateway = self._slot(model).gateway
+        if gateway is None:
+            raise LifecycleError("this LocalBackend was created with serve=False: it runs no gateway")
+        return gateway
+
     # -- work done in a worker thread -----------------------------------------------------------------
 
-    def _load(self, model: TrainableModel) -> _Slot:
+    def _load(self, model: ModelSpec) -> _Slot:
         import torch
 
         from ..engines.transformers import TransformersEngine
@@ -162,7 +196,7 @@ class LocalBackend:
 
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         base_dir = resolve_base_model(model.base_model)
-        model_dir = self._model_dir(model)
+        model_dir = self.model_dir(model)
         latest = latest_checkpoint(model_dir)
         policy, tokenizer = load_policy(base_dir, model.lora, device=device,
                                         adapter_dir=latest.path if latest else None)
@@ -193,7 +227,7 @@ class LocalBackend:
 
     # -- helpers --------------------------------------------------------------------------------------
 
-    def _slot(self, model: TrainableModel) -> _Slot:
+    def _slot(self, model: ModelSpec) -> _Slot:
         self._check_open()
         slot = self._slots.get((model.project, model.name))
         if slot is None:
@@ -235,6 +269,14 @@ def _free_path(folder: Path, stem: str) -> Path:
     while path.exists():
         path, k = folder / f"{stem}-{k}.jsonl", k + 1
     return path
+
+
+def read_history(path: Path) -> list[dict[str, Any]]:
+    """The rows of a ``history.jsonl`` (empty when no step was run)."""
+    if not path.is_file():
+        return []
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def _append_history(path: Path, row: dict[str, Any]) -> None:

@@ -15,10 +15,13 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CheckpointInfo", "latest_checkpoint", "list_checkpoints", "write_checkpoint"]
+from ..errors import CheckpointError
+
+__all__ = ["CheckpointInfo", "delete_checkpoints", "latest_checkpoint", "list_checkpoints", "write_checkpoint"]
 
 MARKER = "checkpoint.json"
 
@@ -92,3 +95,29 @@ def latest_checkpoint(model_dir: Path) -> CheckpointInfo | None:
     """The complete checkpoint with the highest step, or None."""
     checkpoints = list_checkpoints(model_dir)
     return checkpoints[-1] if checkpoints else None
+
+
+def delete_checkpoints(model_dir: Path, steps: Iterable[int], *, keep: int) -> list[int]:
+    """Delete the complete checkpoints numbered ``steps``, except ``keep`` (the one being served).
+
+    Each is renamed to a hidden folder first, so a crash mid-delete never leaves a numbered folder that
+    looks complete but is not. Steps with no checkpoint are ignored.
+
+    Returns:
+        The steps deleted, ascending.
+
+    Raises:
+        CheckpointError: ``steps`` names ``keep``.
+    """
+    wanted = set(steps)
+    if keep in wanted:
+        raise CheckpointError(f"checkpoint {keep:04d} is the one being served and cannot be deleted; "
+                              "train another step first, or leave it out of the list")
+    deleted = []
+    for info in list_checkpoints(model_dir):
+        if info.step in wanted:
+            doomed = info.path.parent / f".del-{info.step:04d}-{uuid.uuid4().hex[:8]}"
+            info.path.rename(doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+            deleted.append(info.step)
+    return deleted

@@ -1,0 +1,134 @@
+"""The ``Backend`` contract: what ``TrainableModel`` needs from the place a model is trained and served.
+
+``TrainableModel`` talks to a backend only through this Protocol, the way httpx's ``Client`` talks to a
+``BaseTransport``: ``LocalBackend`` (this process), ``RemoteBackend`` (a client of ``art-core serve``) and
+``RayBackend`` (a cluster) implement it, and a third-party backend needs no subclassing.
+
+A backend keys everything by the model's ``(project, name)``; it receives ``model.spec``, a ``ModelSpec``
+(plain data: name, project, base model, LoRA shape), never the ``TrainableModel`` object.
+Users do not call these methods: ``TrainableModel`` does (``model.register(backend)``, ``model.train``...).
+
+Lifecycle: ``register`` once per model, then any calls, then ``aclose``; after ``aclose`` every call raises
+``LifecycleError``. Backends are async context managers (``async with LocalBackend() as backend``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict
+
+from ..config import LoraSettings, TrainConfig
+from ..types import Trajectory, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from ..gateway.records import ExchangeRecord
+
+__all__ = ["Backend", "ModelSpec", "TrainResult"]
+
+
+class ModelSpec(BaseModel):
+    """The declarative part of a ``TrainableModel``: what a backend needs to load and place it.
+
+    It is plain data (JSON-serialisable), so a remote backend can send it over the wire.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    """The model's name: its folder under ``<root>/<project>/models/`` and the name the gateway serves."""
+    project: str
+    """Groups models on disk."""
+    base_model: str
+    """A registered base model name or a local Hugging Face folder (a path on the backend's machine)."""
+    lora: LoraSettings
+    """The adapter's shape, fixed for the model's life."""
+
+
+class TrainResult(BaseModel):
+    """What one ``Backend.train`` call returns."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    metrics: dict[str, Any]
+    """The step's metrics, as appended to ``history.jsonl`` (``trained`` says whether a checkpoint was written)."""
+    step: int
+    """The step served after the call: the new checkpoint's number, or the old one if nothing was trained."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Where a ``TrainableModel`` is trained and served.
+
+    Example, a backend that forwards to another one (each method is a plain call or coroutine)::
+
+        class Logged:
+            def __init__(self, inner: Backend) -> None:
+                self.inner = inner
+
+            async def train(self, model, groups, config):
+                print(f"training {model.name} on {len(groups)} groups")
+                return await self.inner.train(model, groups, config)
+
+            ...  # every other method forwards unchanged
+    """
+
+    async def register(self, model: ModelSpec) -> int:
+        """Load the base model with the latest complete checkpoint and start serving it.
+
+        Returns:
+            The step served (0: the base model, no checkpoint yet).
+
+        Raises:
+            LifecycleError: a model of that project and name is already registered, or the backend is closed.
+            BaseModelNotFoundError: the base model cannot be found.
+        """
+        ...
+
+    async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig) -> TrainResult:
+        """Persist ``groups``, run one GRPO step, write the checkpoint, and serve it before returning."""
+        ...
+
+    async def sample(self, model: ModelSpec, messages: Sequence[dict[str, Any]], *, n: int, max_tokens: int,
+                     temperature: float, tools: list[dict[str, Any]] | None,
+                     seed: int | None) -> list[Trajectory]:
+        """``n`` replies to a chat, each a ``Trajectory`` with its token-exact call record."""
+        ...
+
+    def base_url(self, model: ModelSpec) -> str:
+        """The gateway's OpenAI base URL for the model (``http://HOST:PORT/v1``)."""
+        ...
+
+    def api_key(self, model: ModelSpec) -> str | None:
+        """The bearer token the gateway wants; None when it needs none."""
+        ...
+
+    def rollout_base_url(self, model: ModelSpec, rollout_id: str) -> str:
+        """A base URL whose calls the gateway records under ``rollout_id``."""
+        ...
+
+    def rollout_records(self, model: ModelSpec, rollout_id: str) -> list[ExchangeRecord]:
+        """The gateway's records of a rollout's calls, oldest first."""
+        ...
+
+    def model_dir(self, model: ModelSpec) -> Path:
+        """``<root>/<project>/models/<name>`` on the machine that trains (it may not be this one)."""
+        ...
+
+    async def checkpoints(self, model: ModelSpec) -> list[int]:
+        """The steps of the complete checkpoints on disk, oldest first."""
+        ...
+
+    async def delete_checkpoints(self, model: ModelSpec, steps: Sequence[int]) -> list[int]:
+        """Delete these checkpoints (never the one being served); returns the steps deleted."""
+        ...
+
+    async def history(self, model: ModelSpec) -> list[dict[str, Any]]:
+        """The rows of ``history.jsonl``: one per train call, with its metrics."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop serving and release everything; the backend cannot be used afterwards."""
+        ...
