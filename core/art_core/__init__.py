@@ -3,6 +3,8 @@
 Importing this package does not import torch: the training stack loads when a backend first needs it.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .backends import Backend, LocalBackend, ModelSpec, TrainResult
 from .config import LoraSettings, TrainConfig
 from .errors import (
@@ -13,6 +15,8 @@ from .errors import (
     JudgeError,
     LifecycleError,
     RewardError,
+    ServerError,
+    ServerUnavailableError,
     TrainingError,
     TrajectoryError,
 )
@@ -28,6 +32,9 @@ from .types import (
     read_groups_jsonl,
     write_groups_jsonl,
 )
+
+if TYPE_CHECKING:
+    from .backends.remote import RemoteBackend
 
 __version__ = "0.1.0"
 
@@ -46,7 +53,10 @@ __all__ = [
     "LoraSettings",
     "Message",
     "ModelSpec",
+    "RemoteBackend",
     "RewardError",
+    "ServerError",
+    "ServerUnavailableError",
     "ToolCall",
     "TrainConfig",
     "TrainResult",
@@ -60,3 +70,11 @@ __all__ = [
     "score_group",
     "write_groups_jsonl",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RemoteBackend":  # lazily: it needs httpx (art-core[serve]); see art_core.backends
+        from . import backends
+
+        return backends.RemoteBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

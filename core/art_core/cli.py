@@ -1,4 +1,4 @@
-"""The ``art-core`` command line: ``art-core demo``, ``art-core models``."""
+"""The ``art-core`` command line: ``art-core demo``, ``art-core models``, ``art-core serve``."""
 
 from __future__ import annotations
 
@@ -41,6 +41,33 @@ def models() -> None:
 
     for name in known_base_models():
         typer.echo(name)
+
+
+@app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on; anything but loopback needs a token."),
+    port: int = typer.Option(7999, help="Port (0: a free one, printed on start)."),
+    token: str = typer.Option(None, help="Bearer token every route wants [default: ART_SERVER_TOKEN]."),
+    path: Path = typer.Option(Path(".art"), help="Where checkpoints, trajectories and history go."),
+    inference: str = typer.Option(None, help="Inference engine: transformers or vllm [default: LocalBackend's]."),
+    trainer: str = typer.Option(None, help="Trainer: peft or unsloth [default: LocalBackend's]."),
+    max_body_mb: int = typer.Option(256, help="Largest training-API request body, in MiB (gzip inflated)."),
+    threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
+) -> None:
+    """Serve the training API and every registered model's OpenAI-compatible gateway on one port.
+
+    Clients use ``RemoteBackend("http://HOST:PORT", token=...)``; their agents reach the models through it.
+    """
+    from .errors import ConfigError
+    from .server.run import ServerSettings, run_forever
+
+    try:
+        settings = ServerSettings(host=host, port=port, token=token, path=path, inference=inference,
+                                  trainer=trainer, max_body_mb=max_body_mb, num_threads=threads or None)
+    except ConfigError as exc:
+        typer.secho(str(exc), fg="red", err=True)
+        raise typer.Exit(2) from exc
+    run_forever(settings)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,10 @@
     ├── EngineError              an inference engine failed to start, answer or load an adapter
     │   └── ConstraintError          a request's JSON schema or grammar cannot be enforced (the gateway: 400)
     ├── LifecycleError           an object was used in the wrong state (register twice, use after close)
-    └── RewardError              a group could not be scored (empty group, a reward function failed)
-        └── JudgeError           an LLM judge was unreachable, or its answer stayed malformed after repairs
+    ├── RewardError              a group could not be scored (empty group, a reward function failed)
+    │   └── JudgeError           an LLM judge was unreachable, or its answer stayed malformed after repairs
+    └── ServerError              the training server (``art-core serve``) failed a call in a way no class above names
+        └── ServerUnavailableError   the server cannot be reached (down, restarting, wrong URL)
 
 Each message says what happened, the value involved, and how to fix it. Errors from libraries
 (torch, transformers, peft, litellm) are re-raised as one of these with the original kept as ``__cause__``.
@@ -28,6 +30,8 @@ __all__ = [
     "JudgeError",
     "LifecycleError",
     "RewardError",
+    "ServerError",
+    "ServerUnavailableError",
     "TrainingError",
     "TrajectoryError",
 ]
@@ -75,3 +79,11 @@ class RewardError(ArtError, RuntimeError):
 
 class JudgeError(RewardError):
     """An LLM judge was unreachable, refused the request, or answered malformed output even after repairs."""
+
+
+class ServerError(ArtError, RuntimeError):
+    """The training server failed a call with an error no other class names (its type is in the message)."""
+
+
+class ServerUnavailableError(ServerError, ConnectionError):
+    """The training server cannot be reached: it is down or restarting, or the URL is wrong (the message names it)."""

@@ -13,8 +13,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -24,6 +23,7 @@ from ..engines.base import SamplingParams
 from ..errors import ConfigError, LifecycleError
 from ..types import CallRecord, Message, Trajectory, TrajectoryGroup, write_groups_jsonl
 
+from ._progress import progress_bar
 from .base import ModelSpec, TrainResult
 
 if TYPE_CHECKING:
@@ -57,11 +57,16 @@ class LocalBackend:
             leave torch's setting. On a small shared CPU, fewer threads than cores avoids collapse.
         show_progress: show a progress bar during training steps.
         serve: start an OpenAI-compatible gateway for each registered model (needs ``art-core[serve]``).
+        gateway_mount: serve each gateway inside the caller's ASGI app rather than on a loopback port of its
+            own: called with the model's spec, it returns the URL the caller serves ``gateway(model).app`` at
+            (``art-core serve`` puts every model's gateway on its one port this way). None: own ports.
     """
 
     def __init__(self, *, path: str | Path = ".art", device: str | None = None,
-                 num_threads: int | None = None, show_progress: bool = True, serve: bool = True) -> None:
+                 num_threads: int | None = None, show_progress: bool = True, serve: bool = True,
+                 gateway_mount: Callable[[ModelSpec], str] | None = None) -> None:
         self.serve = serve
+        self.gateway_mount = gateway_mount
         self.path = Path(path)
         self.device = device
         self.num_threads = num_threads
@@ -113,13 +118,16 @@ class LocalBackend:
     def rollout_records(self, model: ModelSpec, rollout_id: str) -> list[ExchangeRecord]:
         return self._gateway(model).records.for_rollout(rollout_id)
 
-    async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig) -> TrainResult:
+    async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig, *,
+                    progress: Callable[[int, int], None] | None = None) -> TrainResult:
+        """The contract's ``train``; ``progress(done, total)``, when given, is called from the training thread
+        as micro-batches finish (``art-core serve`` streams it to its client), in place of the progress bar."""
         slot = self._slot(model)
         if slot.gateway is not None:
             await slot.gateway.pause_for_training()  # in-flight requests finish; new ones wait
         try:
             metrics, step = await asyncio.to_thread(self._with_threads,
-                                                    lambda: self._train_sync(slot, list(groups), config))
+                                                    lambda: self._train_sync(slot, list(groups), config, progress))
             return TrainResult(metrics=metrics, step=step)
         finally:
             if slot.gateway is not None:
@@ -176,7 +184,18 @@ class LocalBackend:
         base_name = Path(str(model.base_model)).name  # a folder path is served under its last component
         settings = GatewaySettings(model_name=model.name, base_model_name=base_name,
                                    records_path=slot.model_dir / "records.jsonl")
-        return await Gateway(slot.engine, settings, RecordStore(settings.records_path)).start()
+        gateway = Gateway(slot.engine, settings, RecordStore(settings.records_path))
+        if self.gateway_mount is not None:
+            return gateway.attach(self.gateway_mount(model))
+        return await gateway.start()
+
+    def gateway(self, model: ModelSpec) -> Gateway:
+        """The model's running gateway (its ``app``, ``records``, URLs).
+
+        Raises:
+            LifecycleError: the model is not registered, or this backend was made with ``serve=False``.
+        """
+        return self._gateway(model)
 
     def _gateway(self, model: ModelSpec) -> Gateway:
         gateway = self._slot(model).gateway
@@ -207,16 +226,16 @@ class LocalBackend:
         return _Slot(trainer, TransformersEngine(policy, tokenizer, adapter_step=step), model_dir, step,
                      threading.Lock())
 
-    def _train_sync(self, slot: _Slot, groups: list[TrajectoryGroup],
-                    config: TrainConfig) -> tuple[dict[str, float], int]:
+    def _train_sync(self, slot: _Slot, groups: list[TrajectoryGroup], config: TrainConfig,
+                    report: Callable[[int, int], None] | None = None) -> tuple[dict[str, float], int]:
         from ..training.checkpoints import write_checkpoint
 
         with slot.lock:  # inference waits for the step, then runs on the new adapter
             next_step = slot.step + 1
             # Everything the step learns from is on disk before it starts.
             write_groups_jsonl(_free_path(slot.model_dir / "trajectories", f"{next_step:04d}"), groups)
-            with self._progress(f"step {next_step}") as progress:
-                metrics = slot.trainer.train_step(groups, config, progress=progress)
+            with progress_bar(f"training step {next_step}", enabled=self.show_progress and report is None) as bar:
+                metrics = slot.trainer.train_step(groups, config, progress=report or bar)
             if metrics.get("trained"):
                 write_checkpoint(slot.model_dir, next_step, slot.trainer.save,
                                  metadata={"loss": config.loss, "reward_mean": metrics["reward_mean"]})
@@ -249,18 +268,6 @@ class LocalBackend:
             return fn()
         finally:
             torch.set_num_threads(before)
-
-    @contextmanager
-    def _progress(self, label: str) -> Iterator[Callable[[int, int], None] | None]:
-        if not self.show_progress:
-            yield None
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      transient=True) as bar:
-            task = bar.add_task(f"training {label}", total=None)
-            yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
 def _free_path(folder: Path, stem: str) -> Path:

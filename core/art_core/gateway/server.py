@@ -79,6 +79,7 @@ class Gateway:
         self._task: asyncio.Task[None] | None = None
         self._socket: socket.socket | None = None
         self._port: int | None = None
+        self._mounted_url: str | None = None
 
     # --- lifecycle ---
 
@@ -119,6 +120,24 @@ class Gateway:
         self._state = _State.STARTED
         return self
 
+    def attach(self, url: str) -> Gateway:
+        """Serve through a host application instead of a port of its own (``art-core serve`` does this).
+
+        Nothing is bound: the host routes the requests under ``url`` to ``gateway.app`` (and does the
+        authentication), and ``base_url`` / ``rollout_base_url`` are built on ``url``.
+
+        Args:
+            url: where the host serves ``app``, e.g. ``http://10.0.0.5:7999/gateway/default/agent``.
+
+        Raises:
+            LifecycleError: already started, attached, or closed.
+        """
+        if self._state is not _State.NEW:
+            raise LifecycleError(f"Gateway.attach() called on a {self._state.value} gateway: a gateway starts once")
+        self._mounted_url = url.rstrip("/")
+        self._state = _State.STARTED
+        return self
+
     async def aclose(self) -> None:
         """Stop accepting requests, answer held ones 503, finish in-flight ones, and stop the server.
 
@@ -149,12 +168,15 @@ class Gateway:
     def port(self) -> int:
         """The bound port (the real one when ``settings.port`` was 0)."""
         self._check_started("port")
-        assert self._port is not None
+        if self._port is None:
+            raise LifecycleError("this gateway is attached to a host application: it has no port of its own")
         return self._port
 
     @property
     def url(self) -> str:
-        """``http://host:port``, with a loopback address when bound to every interface."""
+        """``http://host:port``, with a loopback address when bound to every interface (or the attached URL)."""
+        if self._mounted_url is not None:
+            return self._mounted_url
         host = self.settings.host
         if host in ("0.0.0.0", ""):
             host = "127.0.0.1"

@@ -1,0 +1,306 @@
+"""``RemoteBackend``: the Backend contract over HTTP, as a client of ``art-core serve`` on another machine.
+
+    async with RemoteBackend("http://gpu-box:7999", token=os.environ["ART_SERVER_TOKEN"]) as backend:
+        await model.register(backend)      # the server loads the model and serves its gateway
+        ...                                # agents call model.rollout_base_url(...) on the server's gateway
+        await model.train(groups)          # progress shown here as locally; the step runs on the server
+
+It needs no torch: only httpx and pydantic. Bodies are JSON (gzip above ``compress_above`` bytes off
+loopback); see ``art_core.server.wire`` for the routes.
+
+A train call is idempotent: its id is a digest of the groups and settings (or the ``train_id`` given), so a
+call sent twice, or again after this process died, trains once and both get the same result. When the
+connection drops during a step, the client re-attaches to it for up to ``reconnect_for`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import httpx
+from pydantic import TypeAdapter
+
+from ..config import TrainConfig
+from ..errors import ConfigError, LifecycleError, ServerError, ServerUnavailableError
+from ..server.wire import (
+    API_PREFIX,
+    ErrorBody,
+    Registered,
+    SampleRequest,
+    error_from_wire,
+    gateway_path,
+    train_id_for,
+)
+from ..types import Trajectory, TrajectoryGroup
+from ._progress import progress_bar
+from .base import ModelSpec, TrainResult
+
+if TYPE_CHECKING:
+    from ..gateway.records import ExchangeRecord
+
+__all__ = ["RemoteBackend"]
+
+_TRAJECTORIES = TypeAdapter(list[Trajectory])
+
+
+class RemoteBackend:
+    """Trains and serves on an ``art-core serve`` server; implements ``art_core.backends.Backend``.
+
+    Args:
+        url: the server, ``http://host:port`` (as ``art-core serve`` prints it).
+        token: the server's bearer token; default ``ART_SERVER_TOKEN`` (None: the server wants none).
+        timeout: seconds to wait for an answer to a call other than training.
+        reconnect_for: seconds a train call keeps re-attaching after the connection drops (server restart).
+        show_progress: show the training progress bar (the same display as ``LocalBackend``).
+        compress_above: gzip train bodies larger than this many bytes, unless the server is on loopback.
+
+    Raises:
+        ConfigError: ``url`` is not an http(s) URL.
+    """
+
+    def __init__(self, url: str, *, token: str | None = None, timeout: float = 60.0, reconnect_for: float = 120.0,
+                 show_progress: bool = True, compress_above: int = 256 * 1024) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"RemoteBackend url {url!r} is not an http(s) URL: give the address `art-core serve` "
+                              "printed, e.g. http://gpu-box:7999")
+        self.url = url.rstrip("/")
+        self.token = token if token is not None else os.environ.get("ART_SERVER_TOKEN") or None
+        self.timeout = timeout
+        self.reconnect_for = reconnect_for
+        self.show_progress = show_progress
+        loopback = parts.hostname in ("localhost", "127.0.0.1", "::1")
+        self.compress_above = None if loopback else compress_above
+        self._headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        self._models: dict[tuple[str, str], Registered] = {}
+        self._client: httpx.AsyncClient | None = None
+        self._sync_client: httpx.Client | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"RemoteBackend({self.url!r})"
+
+    async def __aenter__(self) -> RemoteBackend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connections; the models stay served on the server. The backend cannot be used afterwards."""
+        self._closed = True
+        if self._client is not None:
+            await self._client.aclose()
+        if self._sync_client is not None:
+            self._sync_client.close()
+
+    # -- the Backend contract (called by TrainableModel) ----------------------------------------------
+
+    async def register(self, model: ModelSpec) -> int:
+        self._check_open()
+        key = (model.project, model.name)
+        if key in self._models:
+            raise LifecycleError(f"a model named {model.name!r} in project {model.project!r} is already "
+                                 "registered with this backend")
+        response = await self._call("POST", "/models", content=model.model_dump_json().encode())
+        registered = Registered.model_validate_json(response.content)
+        self._models[key] = registered
+        return registered.step
+
+    def base_url(self, model: ModelSpec) -> str:
+        return self._gateway_url(model) + "/v1"
+
+    def api_key(self, model: ModelSpec) -> str | None:
+        self._registered(model)
+        return self.token
+
+    def rollout_base_url(self, model: ModelSpec, rollout_id: str) -> str:
+        from ..gateway.state import ROLLOUT_ID_PATTERN
+
+        if not ROLLOUT_ID_PATTERN.fullmatch(rollout_id) or rollout_id in (".", ".."):
+            raise ConfigError(f"rollout id {rollout_id!r} is invalid: use 1-128 letters, digits, '.', '_' or '-'")
+        return f"{self._gateway_url(model)}/rollouts/{rollout_id}/v1"
+
+    def rollout_records(self, model: ModelSpec, rollout_id: str) -> list[ExchangeRecord]:
+        # Sync by contract (the adapters call it from sync code); one loopback or LAN round trip per rollout,
+        # on a pooled connection.
+        from ..gateway.records import ExchangeRecord
+
+        url = f"{self._gateway_url(model)}/rollouts/{rollout_id}/records"
+        if self._sync_client is None:
+            self._sync_client = httpx.Client(headers=self._headers, timeout=self.timeout)
+        try:
+            response = self._sync_client.get(url)
+        except httpx.TransportError as exc:
+            raise self._unavailable(exc) from exc
+        self._raise_for_error(response)
+        return TypeAdapter(list[ExchangeRecord]).validate_json(response.content)
+
+    def model_dir(self, model: ModelSpec) -> Path:
+        """The model's folder on the server's disk (not on this machine)."""
+        return Path(self._registered(model).model_dir)
+
+    async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig, *,
+                    train_id: str | None = None) -> TrainResult:
+        """The contract's ``train``, on the server. ``train_id`` (default: a digest of the groups and config)
+        makes it idempotent: the same id trains once, however often it is sent."""
+        registered = self._registered(model)
+        groups_json = [group.model_dump_json() for group in groups]
+        config_json = config.model_dump_json()
+        train_id = train_id or train_id_for(model.project, model.name, "\n".join(groups_json).encode(),
+                                            config_json.encode())
+        body = f'{{"train_id":{json.dumps(train_id)},"groups":[{",".join(groups_json)}],"config":{config_json}}}'
+        base = f"{API_PREFIX}/models/{model.project}/{model.name}/train"
+        deadline: float | None = None
+        attach = False  # first POST the call; after a drop, re-attach by id (or POST again if the server lost it)
+        with progress_bar(f"training step {registered.step + 1}", enabled=self.show_progress) as bar:
+            while True:
+                try:
+                    if attach:
+                        events = self._events("GET", f"{base}/{train_id}")
+                    else:
+                        events = self._events("POST", base, content=body.encode())
+                    async for kind, data in events:
+                        if kind == "progress" and bar is not None:
+                            bar(data["done"], data["total"])
+                        elif kind == "result":
+                            result = TrainResult.model_validate(data)
+                            self._models[(model.project, model.name)] = registered.model_copy(
+                                update={"step": result.step})
+                            return result
+                        elif kind == "error":
+                            raise error_from_wire(ErrorBody.model_validate(data))
+                    raise httpx.RemoteProtocolError("the event stream ended before the step's result")
+                except _NotFound:
+                    attach = False  # the server restarted before the call finished: send it again
+                except (httpx.TransportError, ServerUnavailableError) as exc:
+                    now = time.monotonic()
+                    deadline = deadline if deadline is not None else now + self.reconnect_for
+                    if now >= deadline:
+                        raise self._unavailable(exc, during=f"train call {train_id}") from exc
+                    attach = True
+                    await asyncio.sleep(0.5)
+
+    async def sample(self, model: ModelSpec, messages: Sequence[dict[str, Any]], *, n: int, max_tokens: int,
+                     temperature: float, tools: list[dict[str, Any]] | None, seed: int | None) -> list[Trajectory]:
+        self._registered(model)
+        body = SampleRequest(messages=list(messages), n=n, max_tokens=max_tokens, temperature=temperature,
+                             tools=tools, seed=seed)
+        response = await self._call("POST", self._model_path(model, "sample"), content=body.model_dump_json().encode())
+        return _TRAJECTORIES.validate_json(response.content)
+
+    async def checkpoints(self, model: ModelSpec) -> list[int]:
+        self._registered(model)
+        return list((await self._call("GET", self._model_path(model, "checkpoints"))).json())
+
+    async def delete_checkpoints(self, model: ModelSpec, steps: Sequence[int]) -> list[int]:
+        self._registered(model)
+        content = json.dumps({"steps": list(steps)}).encode()
+        return list((await self._call("POST", self._model_path(model, "checkpoints/delete"), content=content)).json())
+
+    async def history(self, model: ModelSpec) -> list[dict[str, Any]]:
+        self._registered(model)
+        return list((await self._call("GET", self._model_path(model, "history"))).json())
+
+    # -- HTTP -------------------------------------------------------------------------------------------
+
+    def _http(self) -> httpx.AsyncClient:
+        self._check_open()
+        if self._client is None:
+            self._client = httpx.AsyncClient(headers=self._headers, timeout=self.timeout)
+        return self._client
+
+    def _encode(self, content: bytes) -> tuple[bytes, dict[str, str]]:
+        headers = {"Content-Type": "application/json"}
+        if self.compress_above is not None and len(content) > self.compress_above:
+            return gzip.compress(content, compresslevel=1), {**headers, "Content-Encoding": "gzip"}
+        return content, headers
+
+    async def _call(self, method: str, path: str, *, content: bytes | None = None) -> httpx.Response:
+        headers: dict[str, str] = {}
+        if content is not None:
+            content, headers = self._encode(content)
+        try:
+            response = await self._http().request(method, self.url + API_PREFIX + path, content=content,
+                                                  headers=headers)
+        except httpx.TransportError as exc:
+            raise self._unavailable(exc) from exc
+        self._raise_for_error(response)
+        return response
+
+    async def _events(self, method: str, path: str, *,
+                      content: bytes | None = None) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """The server-sent events of a train call, as ``(kind, data)``."""
+        headers = {"Accept": "text/event-stream"}
+        if content is not None:
+            content, more = self._encode(content)
+            headers.update(more)
+        # No read timeout: a step may take minutes between two progress events on a big model.
+        timeout = httpx.Timeout(self.timeout, read=None)
+        async with self._http().stream(method, self.url + path, content=content, headers=headers,
+                                       timeout=timeout) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                if response.status_code == 404 and method == "GET":
+                    raise _NotFound
+                self._raise_for_error(response)
+            kind, data = "message", ""
+            async for line in response.aiter_lines():
+                if line.startswith("event:"):
+                    kind = line[6:].strip()
+                elif line.startswith("data:"):
+                    data += line[5:].strip()
+                elif not line and data:
+                    yield kind, json.loads(data)
+                    kind, data = "message", ""
+
+    def _raise_for_error(self, response: httpx.Response) -> None:
+        if response.status_code < 400:
+            return
+        try:
+            body = ErrorBody.model_validate(response.json()["error"])
+        except Exception:  # not our JSON error (a proxy's page, a crash): say what came back
+            raise ServerError(f"{response.request.method} {response.request.url} answered {response.status_code}: "
+                              f"{response.text[:300]}") from None
+        if response.status_code == 401:
+            raise ConfigError(f"the server at {self.url} refused the token: {body.message}")
+        raise error_from_wire(body)
+
+    def _unavailable(self, exc: Exception, *, during: str | None = None) -> ServerUnavailableError:
+        what = f" during {during}" if during else ""
+        return ServerUnavailableError(
+            f"the training server at {self.url} cannot be reached{what} ({type(exc).__name__}: {exc or 'no answer'}): "
+            "check that `art-core serve` runs there and the URL and port are right")
+
+    # -- helpers --------------------------------------------------------------------------------------
+
+    def _gateway_url(self, model: ModelSpec) -> str:
+        self._registered(model)
+        return self.url + gateway_path(model.project, model.name)
+
+    @staticmethod
+    def _model_path(model: ModelSpec, route: str) -> str:
+        return f"/models/{model.project}/{model.name}/{route}"
+
+    def _registered(self, model: ModelSpec) -> Registered:
+        self._check_open()
+        registered = self._models.get((model.project, model.name))
+        if registered is None:
+            raise LifecycleError(f"model {model.name!r} is not registered with this backend")
+        return registered
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LifecycleError("this RemoteBackend is closed; create a new one")
+
+
+class _NotFound(Exception):
+    """A re-attach found no such train call (the server restarted before it finished)."""

@@ -1,0 +1,251 @@
+"""The server's ASGI app: the training API over a ``LocalBackend``, and every model's gateway, on one port.
+
+    BearerToken (every route)  ->  TrainingBody (API bodies: limit, gzip)  ->  /art/v1/...   the training API
+                                                                           ->  /gateway/...  each model's gateway
+
+Routes and events are listed in ``wire.py``. Errors answer ``{"error": {"type", "message", "param"}}`` with
+the ``art_core.errors`` class name, so ``RemoteBackend`` raises the same class with the same message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .. import __version__
+from ..backends.base import ModelSpec
+from ..backends.local import LocalBackend
+from ..errors import (
+    ArtError,
+    BaseModelNotFoundError,
+    CheckpointError,
+    ConfigError,
+    LifecycleError,
+    TrajectoryError,
+)
+from .guard import BearerToken, TrainingBody, send_error
+from .jobs import TrainJobs
+from .wire import (
+    API_PREFIX,
+    DeleteCheckpoints,
+    Registered,
+    SampleRequest,
+    TrainRequest,
+    gateway_path,
+    train_id_for,
+)
+
+__all__ = ["ServerApp", "create_server_app"]
+
+logger = logging.getLogger(__name__)
+
+# Most specific first: the first class an error is an instance of gives the status.
+_STATUS: list[tuple[type[ArtError], int]] = [
+    (BaseModelNotFoundError, 404), (ConfigError, 400), (TrajectoryError, 422), (LifecycleError, 409),
+    (CheckpointError, 409), (ArtError, 500),
+]
+
+
+class _ServedModels:
+    """The specs registered on this server, keyed like the backend keys them."""
+
+    def __init__(self) -> None:
+        self.specs: dict[tuple[str, str], ModelSpec] = {}
+
+
+def create_server_app(backend: LocalBackend, *, token: str | None, max_body_bytes: int) -> ServerApp:
+    """Build the server's app over ``backend`` (made with ``gateway_mount=``, see ``run.serve``).
+
+    Args:
+        backend: trains and serves the models.
+        token: the bearer token every route wants; None only on a loopback host.
+        max_body_bytes: largest training-API body, before and after gzip.
+
+    Returns:
+        The app; ``app.jobs`` holds the train calls (``aclose`` them on shutdown).
+    """
+    served = _ServedModels()
+    jobs = TrainJobs()
+    registering = asyncio.Lock()  # two clients registering one model at once: one loads it, one attaches
+
+    def spec_of(request: Request) -> ModelSpec:
+        key = (request.path_params["project"], request.path_params["name"])
+        spec = served.specs.get(key)
+        if spec is None:
+            raise LifecycleError(f"model {key[1]!r} of project {key[0]!r} is not registered on this server: "
+                                 "call `await model.register(RemoteBackend(...))` first")
+        return spec
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "version": __version__, "api": API_PREFIX,
+                             "models": [spec.model_dump() for spec in served.specs.values()]})
+
+    async def register(request: Request) -> Response:
+        spec = _parse(ModelSpec, await request.body())
+        key = (spec.project, spec.name)
+        async with registering:
+            known = served.specs.get(key)
+            if known is None:
+                step = await backend.register(spec)
+                served.specs[key] = spec
+            elif known != spec:
+                raise LifecycleError(f"model {spec.name!r} of project {spec.project!r} is already registered on "
+                                     f"this server with another spec ({_spec_diff(known, spec)}): use another name")
+            else:  # the same model again (its client restarted): attach to what is served
+                step = backend.gateway(spec).engine.adapter_step
+        return _json(Registered(step=step, model_dir=str(backend.model_dir(spec))))
+
+    async def train(request: Request) -> Response:
+        spec = spec_of(request)
+        body = _parse(TrainRequest, await request.body())
+        groups_json = b"\n".join(g.model_dump_json().encode() for g in body.groups)
+        digest = train_id_for(spec.project, spec.name, groups_json, body.config.model_dump_json().encode())
+        record_dir = backend.model_dir(spec) / "train_calls"
+        job, state = jobs.attach(body.train_id, digest, record_dir)
+        if job is None:
+            async def run(progress: Any) -> dict[str, Any]:
+                result = await backend.train(spec, body.groups, body.config, progress=progress)
+                return result.model_dump(mode="json")
+
+            job = jobs.start(body.train_id, digest, record_dir, run)
+        return _events(body.train_id, state, job.follow())
+
+    async def reattach(request: Request) -> Response:
+        spec = spec_of(request)
+        train_id = request.path_params["train_id"]
+        job, state = jobs.attach(train_id, None, backend.model_dir(spec) / "train_calls")
+        if job is None:
+            return _error(404, "ConfigError", f"no train call {train_id!r} on this server: send the call again")
+        return _events(train_id, state, job.follow())
+
+    async def sample(request: Request) -> Response:
+        spec = spec_of(request)
+        body = _parse(SampleRequest, await request.body())
+        trajectories = await backend.sample(spec, body.messages, n=body.n, max_tokens=body.max_tokens,
+                                            temperature=body.temperature, tools=body.tools, seed=body.seed)
+        return Response(b"[" + b",".join(t.model_dump_json().encode() for t in trajectories) + b"]",
+                        media_type="application/json")
+
+    async def checkpoints(request: Request) -> Response:
+        return JSONResponse(await backend.checkpoints(spec_of(request)))
+
+    async def delete_checkpoints(request: Request) -> Response:
+        spec = spec_of(request)
+        body = _parse(DeleteCheckpoints, await request.body())
+        return JSONResponse(await backend.delete_checkpoints(spec, body.steps))
+
+    async def history(request: Request) -> Response:
+        return Response(json.dumps(await backend.history(spec_of(request)), default=float),
+                        media_type="application/json")
+
+    model = API_PREFIX + "/models/{project}/{name}"
+    routes = [
+        Route(API_PREFIX + "/health", health, methods=["GET"]),
+        Route(API_PREFIX + "/models", register, methods=["POST"]),
+        Route(model + "/train", train, methods=["POST"]),
+        Route(model + "/train/{train_id}", reattach, methods=["GET"]),
+        Route(model + "/sample", sample, methods=["POST"]),
+        Route(model + "/checkpoints", checkpoints, methods=["GET"]),
+        Route(model + "/checkpoints/delete", delete_checkpoints, methods=["POST"]),
+        Route(model + "/history", history, methods=["GET"]),
+    ]
+    api = Starlette(routes=routes, exception_handlers={ArtError: _art_error, Exception: _server_error})
+    inner: ASGIApp = TrainingBody(_Dispatch(api, backend, served), max_bytes=max_body_bytes)
+    return ServerApp(BearerToken(inner, token=token) if token is not None else inner, jobs)
+
+
+class ServerApp:
+    """The composed ASGI app, and the train calls it runs."""
+
+    def __init__(self, app: ASGIApp, jobs: TrainJobs) -> None:
+        self.app, self.jobs = app, jobs
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+
+class _Dispatch:
+    """``/gateway/{project}/{name}/...`` to that model's gateway app; everything else to the training API."""
+
+    def __init__(self, api: Starlette, backend: LocalBackend, served: _ServedModels) -> None:
+        self.api, self.backend, self.served = api, backend, served
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith("/gateway/"):
+            return await self.api(scope, receive, send)
+        parts = path.split("/", 4)  # "", "gateway", project, name, rest
+        spec = self.served.specs.get((parts[2], parts[3])) if len(parts) >= 4 else None
+        if spec is None:
+            return await send_error(send, 404, "ConfigError", f"no model is served at {path[:200]!r}: register it "
+                                    "first; gateways live at /gateway/<project>/<name>/v1")
+        # As Starlette's Mount does: the path stays whole, root_path grows by the prefix the gateway sits under.
+        prefix = gateway_path(spec.project, spec.name)
+        child = dict(scope, root_path=scope.get("root_path", "") + prefix)
+        await self.backend.gateway(spec).app(child, receive, send)
+
+
+def _parse(model: type[BaseModel], body: bytes) -> Any:
+    """``body`` as ``model``, or a ConfigError naming the first field at fault (the HTTP answer names it too)."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or "(the body)"
+        raise _BadBody(f"invalid {model.__name__} body ({exc.error_count()} problem(s)); first: {field}: "
+                       f"{first['msg']}", field) from exc
+
+
+class _BadBody(ConfigError):
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _spec_diff(a: ModelSpec, b: ModelSpec) -> str:
+    da, db = a.model_dump(), b.model_dump()
+    return ", ".join(f"{k}: {da[k]!r} there, {db[k]!r} here" for k in da if da[k] != db[k])
+
+
+def _events(train_id: str, state: str, events: AsyncIterator[tuple[str, dict[str, Any]]]) -> StreamingResponse:
+    async def stream() -> AsyncIterator[bytes]:
+        yield _sse("accepted", {"train_id": train_id, "state": state})
+        async for kind, data in events:
+            yield _sse(kind, data)
+
+    # no-cache and no proxy buffering: progress must reach the client as it happens.
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _sse(kind: str, data: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps(data, default=float)}\n\n".encode()
+
+
+def _json(body: BaseModel) -> Response:
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _error(status: int, type_: str, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"type": type_, "message": message, "param": param}}, status_code=status)
+
+
+async def _art_error(request: Request, exc: Exception) -> Response:
+    status = next(code for cls, code in _STATUS if isinstance(exc, cls))
+    kind = "ConfigError" if isinstance(exc, _BadBody) else type(exc).__name__
+    return _error(status, kind, str(exc), getattr(exc, "field", None))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    logger.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return _error(500, type(exc).__name__, str(exc))

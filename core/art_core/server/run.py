@@ -1,0 +1,183 @@
+"""``art-core serve``: one process, one port, the training API and every registered model's gateway.
+
+    art-core serve --host 0.0.0.0 --port 7999 --token "$ART_SERVER_TOKEN"
+
+A host other than loopback needs a token (``--token`` or ``ART_SERVER_TOKEN``): the server trains and
+serves models for anyone who can reach it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from ..gateway.settings import is_loopback_host
+from .wire import gateway_path
+
+__all__ = ["ServerSettings", "run_forever", "serve"]
+
+logger = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+INFERENCE_CHOICES = ("transformers", "vllm")
+TRAINER_CHOICES = ("peft", "unsloth")
+
+
+class ServerSettings:
+    """What ``art-core serve`` was asked for, checked before anything loads.
+
+    Args:
+        host: the address to listen on (loopback by default).
+        port: the port; 0 picks a free one (printed on start).
+        token: bearer token every route wants; default ``ART_SERVER_TOKEN``. Required off loopback.
+        path: root folder of projects (checkpoints, trajectories, history) on this machine.
+        inference: the engine (``LocalBackend(inference=...)``), when this art-core's LocalBackend takes it.
+        trainer: the trainer (``LocalBackend(trainer=...)``), likewise.
+        max_body_mb: largest training-API body in MiB (before and after gzip).
+        num_threads: torch threads for training and inference (None: torch's default).
+
+    Raises:
+        ConfigError: every problem found, in one message.
+    """
+
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 7999, token: str | None = None,
+                 path: str | Path = ".art", inference: str | None = None, trainer: str | None = None,
+                 max_body_mb: int = 256, num_threads: int | None = None) -> None:
+        problems = []
+        token = token if token is not None else os.environ.get("ART_SERVER_TOKEN") or None
+        if token is None and not is_loopback_host(host):
+            problems.append(f"host {host!r} is not a loopback address, so other machines could train and call "
+                            "the models: give --token (or set ART_SERVER_TOKEN), or use --host 127.0.0.1")
+        if token is not None and len(token) < 16:
+            problems.append(f"the token has {len(token)} characters; use at least 16 (e.g. `openssl rand -hex 24`)")
+        if not 0 <= port <= 65535:
+            problems.append(f"port {port} is not in 0..65535")
+        if max_body_mb < 1:
+            problems.append(f"max_body_mb {max_body_mb} must be at least 1")
+        backend_options = _backend_options()
+        for option, value, choices in (("inference", inference, INFERENCE_CHOICES),
+                                       ("trainer", trainer, TRAINER_CHOICES)):
+            if value is None:
+                continue
+            if value not in choices:
+                problems.append(f"--{option} {value!r} is not one of {', '.join(choices)}")
+            elif option not in backend_options and value != choices[0]:
+                problems.append(f"--{option} {value} is not available in this art-core (its LocalBackend has no "
+                                f"{option}= option; only {choices[0]} runs here)")
+        if problems:
+            raise ConfigError("cannot start the server:\n" + "\n".join(f"- {p}" for p in problems))
+        self.host, self.port, self.token, self.path = host, port, token, Path(path)
+        self.max_body_bytes = max_body_mb * MiB
+        self.num_threads = num_threads
+        # Passed on only when LocalBackend takes them (see _backend_options); otherwise the default is what runs.
+        self.backend_options: dict[str, Any] = {k: v for k, v in (("inference", inference), ("trainer", trainer))
+                                                if v is not None and k in backend_options}
+
+
+def _backend_options() -> set[str]:
+    from ..backends.local import LocalBackend
+
+    return set(inspect.signature(LocalBackend).parameters)
+
+
+async def serve(settings: ServerSettings, *, ready: Any = None) -> None:
+    """Run the server until cancelled (Ctrl-C, SIGTERM); train calls in progress finish first.
+
+    Args:
+        settings: checked settings.
+        ready: called with the server's URL once it accepts connections (the CLI prints it).
+
+    Raises:
+        ConfigError: the host/port cannot be bound.
+    """
+    import uvicorn
+
+    from ..backends.local import LocalBackend
+    from .app import create_server_app
+
+    sock = _bind(settings.host, settings.port)
+    url = f"http://{_client_host(settings.host)}:{sock.getsockname()[1]}"
+    backend = LocalBackend(path=settings.path, num_threads=settings.num_threads, show_progress=False,
+                           gateway_mount=lambda spec: url + gateway_path(spec.project, spec.name),
+                           **settings.backend_options)
+    app = create_server_app(backend, token=settings.token, max_body_bytes=settings.max_body_bytes)
+    config = uvicorn.Config(app, log_level="warning", log_config=None, access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=30, timeout_keep_alive=75)  # keep-alive: see gateway/server.py
+    server = _Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        # Stop accepting, let open streams end, then close the backend; uvicorn would re-raise the signal
+        # after its own shutdown, which ends the process before the backend is closed.
+        loop.add_signal_handler(signum, setattr, server, "should_exit", True)
+    try:
+        while not server.started:
+            if task.done():
+                await task
+                raise ConfigError(f"the server failed to start on {url}")
+            await asyncio.sleep(0.01)
+        if ready is not None:
+            ready(url)
+        await task
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(task)
+        await app.jobs.aclose()
+        await backend.aclose()
+        sock.close()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+
+
+def run_forever(settings: ServerSettings) -> None:
+    """The CLI's entry: print the URL, serve until Ctrl-C or SIGTERM."""
+    def ready(url: str) -> None:
+        auth = "bearer token required" if settings.token else "no token (loopback only)"
+        print(f"art-core server on {url} ({auth}); models' gateways at {url}/gateway/<project>/<name>/v1",
+              flush=True)
+        print(f"ART_SERVER_URL={url}", flush=True)
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(settings, ready=ready))
+
+
+class _Server:
+    """uvicorn's server without its signal capture (``serve`` installs its own handlers)."""
+
+    def __new__(cls, config: Any) -> Any:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):  # type: ignore[no-untyped-def]
+                yield
+
+        return Server(config)
+
+
+def _client_host(host: str) -> str:
+    # The gateways' URLs are handed to clients; on a wildcard host, name this machine (clients are elsewhere).
+    if host in ("0.0.0.0", "::", ""):
+        return socket.gethostname()
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc}; pick another --port (0: a free one)") from exc
+    return sock

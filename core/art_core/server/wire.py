@@ -1,0 +1,114 @@
+"""What crosses the wire between ``art-core serve`` and ``RemoteBackend``: bodies, events and errors.
+
+Shared by both ends and light on purpose (pydantic and ``art_core.errors`` only), so the client imports it
+without torch or the server's dependencies. Bodies are JSON of these pydantic types, never pickle.
+
+Training API (prefix ``API_PREFIX``, every route behind the bearer token)::
+
+    GET  /health                                     server version and registered models
+    POST /models                                     ModelSpec -> Registered
+    POST /models/{project}/{name}/train              TrainRequest -> server-sent events (see below)
+    GET  /models/{project}/{name}/train/{train_id}   re-attach to a train call's events
+    POST /models/{project}/{name}/sample             SampleRequest -> list[Trajectory]
+    GET  /models/{project}/{name}/checkpoints        -> list[int]
+    POST /models/{project}/{name}/checkpoints/delete DeleteCheckpoints -> list[int] (the steps deleted)
+    GET  /models/{project}/{name}/history            -> list[dict] (history.jsonl)
+
+Each model's OpenAI-compatible gateway is served under ``/gateway/{project}/{name}`` (``.../v1``,
+``.../rollouts/{rollout_id}/v1``, ``.../rollouts/{rollout_id}/records``).
+
+A train call answers with server-sent events, one JSON object each: ``accepted`` (``{"train_id", "state"}``,
+state ``new``, ``running`` or ``done``), ``progress`` (``{"done", "total"}``) as micro-batches finish, then
+exactly one of ``result`` (a ``TrainResult``) or ``error`` (an ``ErrorBody``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .. import errors
+from ..config import TrainConfig
+from ..types import TrajectoryGroup
+
+__all__ = ["API_PREFIX", "TRAIN_ID_PATTERN", "DeleteCheckpoints", "ErrorBody", "Registered", "SampleRequest",
+           "TrainRequest", "error_from_wire", "gateway_path", "train_id_for"]
+
+API_PREFIX = "/art/v1"
+"""The training API's version prefix; a breaking change gets ``/art/v2`` beside it."""
+
+TRAIN_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+def gateway_path(project: str, name: str) -> str:
+    """Where the server serves a model's gateway (its OpenAI base URL is this plus ``/v1``)."""
+    return f"/gateway/{project}/{name}"
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Registered(_Body):
+    """The answer to a register call."""
+
+    step: int
+    """The step served (0: the base model)."""
+    model_dir: str
+    """``<root>/<project>/models/<name>`` on the server's disk."""
+
+
+class TrainRequest(_Body):
+    """One train call. ``train_id`` makes it idempotent: the same id never trains twice."""
+
+    train_id: str = Field(pattern=TRAIN_ID_PATTERN.pattern)
+    """Chosen by the client (``train_id_for`` by default: a digest of the groups and config)."""
+    groups: list[TrajectoryGroup] = Field(min_length=1)
+    config: TrainConfig = Field(default_factory=TrainConfig)
+
+
+class SampleRequest(_Body):
+    """``TrainableModel.sample``'s arguments."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    n: int = Field(1, ge=1, le=128)
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    tools: list[dict[str, Any]] | None = None
+    seed: int | None = None
+
+
+class DeleteCheckpoints(_Body):
+    steps: list[int]
+
+
+class ErrorBody(_Body):
+    """An error as it crosses the wire: the ``art_core.errors`` class name and the message, unchanged."""
+
+    type: str
+    message: str
+    param: str | None = None
+    """The request field at fault, for a body that failed validation (``groups.0.trajectories.1.reward``)."""
+
+
+def train_id_for(project: str, name: str, groups_json: bytes, config_json: bytes) -> str:
+    """The default train id: a digest of what is trained, so the same groups sent twice train once."""
+    digest = hashlib.sha256()
+    for part in (project.encode(), name.encode(), groups_json, config_json):
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+    return digest.hexdigest()[:32]
+
+
+def error_from_wire(body: ErrorBody) -> errors.ArtError:
+    """The exception the server raised, as the same ``art_core.errors`` class with the same message.
+
+    Anything else the server raised (a bug, a torch error) arrives as a ``ServerError`` naming its type.
+    """
+    cls = getattr(errors, body.type, None) if body.type in errors.__all__ else None
+    if isinstance(cls, type) and issubclass(cls, errors.ArtError):
+        return cls(body.message)
+    return errors.ServerError(f"the server failed with {body.type}: {body.message}")

@@ -1,0 +1,212 @@
+"""`art-core serve` as its own process: the token on every route, bad payloads, RemoteBackend's contract.
+
+The client here is this test process (with torch installed); tests/server/test_remote_client.py runs the
+client side in a virtualenv without torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+
+import httpx
+import openai
+import pytest
+from conftest import TOKEN, Server, running_server
+
+from art_core import (
+    Backend,
+    CallRecord,
+    CheckpointError,
+    ConfigError,
+    LifecycleError,
+    RemoteBackend,
+    ServerUnavailableError,
+    TrainableModel,
+    TrainConfig,
+    Trajectory,
+    TrajectoryError,
+    TrajectoryGroup,
+)
+from art_core.server.wire import API_PREFIX
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _group(offset: int = 0) -> TrajectoryGroup:
+    prompt = list(range(100, 120))
+    return TrajectoryGroup(
+        Trajectory(calls=[CallRecord(prompt_token_ids=prompt, completion_token_ids=[200 + i + offset, 2])],
+                   reward=float(i)) for i in range(4))
+
+
+@pytest.fixture(scope="module")
+def registered(server: Server, tiny_model_dir) -> TrainableModel:
+    """A model registered on the module's server (through RemoteBackend), for the route tests."""
+    model = TrainableModel(name="tiny", project="api", base_model=tiny_model_dir)
+
+    async def register() -> None:
+        async with RemoteBackend(server.url, token=TOKEN, show_progress=False) as backend:
+            await model.register(backend)
+
+    asyncio.run(register())
+    return model
+
+
+def _routes(model: TrainableModel) -> list[tuple[str, str]]:
+    """Every route the server has: the training API's and the gateway's (under the model's prefix)."""
+    m = f"{API_PREFIX}/models/{model.project}/{model.name}"
+    g = f"/gateway/{model.project}/{model.name}"
+    return [
+        ("GET", f"{API_PREFIX}/health"), ("POST", f"{API_PREFIX}/models"), ("POST", f"{m}/train"),
+        ("GET", f"{m}/train/some-id"), ("POST", f"{m}/sample"), ("GET", f"{m}/checkpoints"),
+        ("POST", f"{m}/checkpoints/delete"), ("GET", f"{m}/history"),
+        ("POST", f"{g}/v1/chat/completions"), ("POST", f"{g}/v1/responses"), ("GET", f"{g}/v1/models"),
+        ("GET", f"{g}/v1/models/tiny"), ("POST", f"{g}/rollouts/r1/v1/chat/completions"),
+        ("POST", f"{g}/rollouts/r1/v1/responses"), ("GET", f"{g}/rollouts/r1/v1/models"),
+        ("GET", f"{g}/rollouts/r1/records"), ("GET", f"{g}/metrics"), ("GET", f"{g}/health"),
+        ("GET", "/no/such/route"),
+    ]
+
+
+async def test_every_route_wants_the_token(server: Server, registered: TrainableModel):
+    routes = _routes(registered)
+    async with httpx.AsyncClient(base_url=server.url) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong-token-0123456789abcdef"},
+                        {"Authorization": f"Basic {TOKEN}"}, {"Authorization": TOKEN}):
+            for method, path in routes:
+                response = await client.request(method, path, headers=headers, json={"model": "tiny"})
+                assert response.status_code == 401, (method, path, headers, response.text)
+                assert response.headers["www-authenticate"] == "Bearer"
+                assert "token" in response.json()["error"]["message"]
+        # With the token every route is reached (whatever it then says of this body).
+        for method, path in routes:
+            response = await client.request(method, path, headers=AUTH, json={"model": "tiny"})
+            assert response.status_code != 401, (method, path)
+
+
+async def test_bad_payloads_get_4xx_naming_the_field(server: Server, registered: TrainableModel):
+    train = f"{API_PREFIX}/models/{registered.project}/{registered.name}/train"
+    good = {"train_id": "bad-payloads", "groups": [json.loads(_group().model_dump_json())], "config": {}}
+    async with httpx.AsyncClient(base_url=server.url, headers=AUTH) as client:
+        cases = [
+            (b"{not json", 400, None),
+            (json.dumps({**good, "groups": "many"}).encode(), 400, "groups"),
+            (json.dumps({**good, "config": {"learning_rate": "fast"}}).encode(), 400, "config.learning_rate"),
+            (json.dumps({**good, "config": {"lr": 1}}).encode(), 400, "config.lr"),
+            (json.dumps({**good, "train_id": "../../etc"}).encode(), 400, "train_id"),
+            (json.dumps({**good, "groups": [{"trajectories": [{"reward": "high"}]}]}).encode(), 400,
+             "groups.0.trajectories.0.reward"),
+            (json.dumps({**good, "extra": 1}).encode(), 400, "extra"),
+        ]
+        for body, status, field in cases:
+            response = await client.post(train, content=body)
+            assert response.status_code == status, (body[:80], response.text)
+            error = response.json()["error"]
+            assert error["type"] == "ConfigError"
+            if field:
+                assert error["param"] == field and field in error["message"], error
+        # Too large, declared or counted, plain or as a gzip bomb: 413 before any parsing.
+        big = b"x" * (300 * 1024 * 1024)
+        response = await client.post(train, content=gzip.compress(big, compresslevel=1),
+                                     headers={"Content-Encoding": "gzip"})
+        assert response.status_code == 413 and "once inflated" in response.json()["error"]["message"]
+        response = await client.post(train, content=b"garbage", headers={"Content-Encoding": "gzip"})
+        assert response.status_code == 400 and "inflate" in response.json()["error"]["message"]
+        response = await client.post(train, content=b"{}", headers={"Content-Encoding": "br"})
+        assert response.status_code == 415
+        # Register with a wrongly typed spec.
+        response = await client.post(f"{API_PREFIX}/models", json={"name": 3, "project": "p", "base_model": "x",
+                                                                   "lora": {}})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "name"
+        # The gateway's own checks still answer, under the server.
+        response = await client.post(f"/gateway/{registered.project}/{registered.name}/v1/chat/completions",
+                                     json={"model": "tiny", "messages": "hi"})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+        # The server keeps serving.
+        response = await client.get(f"{API_PREFIX}/health")
+        assert response.status_code == 200 and response.json()["models"][0]["name"] == "tiny"
+    assert server.process.poll() is None
+
+
+async def test_oversized_body_is_413(tmp_path, tiny_model_dir):
+    with running_server(tmp_path, args=("--max-body-mb", "1")) as small:
+        async with httpx.AsyncClient(base_url=small.url, headers=AUTH) as client:
+            response = await client.post(f"{API_PREFIX}/models", content=b"x" * (2 * 1024 * 1024))
+            assert response.status_code == 413 and "--max-body-mb" in response.json()["error"]["message"]
+            assert (await client.get(f"{API_PREFIX}/health")).status_code == 200
+
+
+async def test_remote_backend_contract(server: Server, tiny_model_dir):
+    model = TrainableModel(name="contract", project="api", base_model=tiny_model_dir)
+    async with RemoteBackend(server.url, token=TOKEN, show_progress=False) as backend:
+        assert isinstance(backend, Backend)
+        assert await backend.register(model.spec) == 0
+        model._backend, model._step = backend, 0  # noqa: SLF001  (attach without a second register)
+        assert model.base_url == f"{server.url}/gateway/api/contract/v1" and model.api_key == TOKEN
+        assert model.model_dir == server.path / "api" / "models" / "contract"
+        # The gateway, through the official client, on the server's one port.
+        client = openai.AsyncOpenAI(base_url=model.rollout_base_url("r-1"), api_key=model.api_key)
+        reply = await client.chat.completions.create(model="contract", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=4, logprobs=True)
+        assert reply.choices[0].message is not None
+        records = model.rollout_records("r-1")
+        assert len(records) == 1 and records[0].request_id == reply.id and records[0].rollout_id == "r-1"
+        # Sampling, training, checkpoints, history.
+        (sampled,) = await model.sample([{"role": "user", "content": "hi"}], max_tokens=3, seed=1)
+        assert len(sampled.calls) == 1 and sampled.calls[0].logprobs is not None
+        config = TrainConfig(learning_rate=1e-2)
+        groups = [_group(k) for k in range(3)]
+        for k in range(3):
+            metrics = await model.train([groups[k]], config=config)
+            assert metrics["trained"] and model.step == k + 1
+        assert await model.checkpoints() == [1, 2, 3]
+        assert [row["step"] for row in await model.history()] == [1, 2, 3]
+        assert (model.model_dir / "trajectories" / "0003.jsonl").is_file()
+        # The same groups again: answered from the first call, not trained twice.
+        again = await model.train([groups[2]], config=config)
+        assert again == metrics and model.step == 3 and len(await model.history()) == 3
+        # Errors arrive as the server's classes with its messages.
+        with pytest.raises(CheckpointError, match="0003 is the one being served"):
+            await model.delete_checkpoints([1, 3])
+        assert await model.delete_checkpoints([1, 2]) == [1, 2]
+        with pytest.raises(TrajectoryError, match="completion"):
+            bad = TrajectoryGroup([Trajectory(messages=[{"role": "user", "content": "x"}], reward=1.0),
+                                   Trajectory(messages=[{"role": "user", "content": "x"}], reward=0.0)])
+            await model.train([bad])
+        with pytest.raises(LifecycleError, match="already registered on this server with another spec"):
+            await backend.register(TrainableModel(name="contract", project="api", base_model="/elsewhere").spec)
+        with pytest.raises(LifecycleError, match="already registered with this backend"):
+            await backend.register(model.spec)
+    # A second client (a restarted agent process) attaches to the model as served.
+    again_model = TrainableModel(name="contract", project="api", base_model=tiny_model_dir)
+    async with RemoteBackend(server.url, token=TOKEN, show_progress=False) as backend:
+        await again_model.register(backend)
+        assert again_model.step == 3
+
+
+async def test_wrong_token_and_unreachable_server(server: Server, tiny_model_dir):
+    model = TrainableModel(name="nope", base_model=tiny_model_dir)
+    with pytest.raises(ConfigError, match="refused the token"):
+        await model.register(RemoteBackend(server.url, token="wrong-token-0123456789"))
+    with pytest.raises(ServerUnavailableError, match=r"http://127\.0\.0\.1:9 cannot be reached"):
+        await TrainableModel(name="nope").register(RemoteBackend("http://127.0.0.1:9", token=TOKEN))
+    with pytest.raises(ConfigError, match="not an http"):
+        RemoteBackend("gpu-box:7999")
+
+
+def test_refuses_an_exposed_host_without_a_token(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO, source_env
+
+    env = source_env()
+    env.pop("ART_SERVER_TOKEN", None)
+    out = subprocess.run([sys.executable, "-m", "art_core.cli", "serve", "--host", "0.0.0.0", "--port", "0",
+                          "--path", str(tmp_path)], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert out.returncode == 2 and "not a loopback address" in out.stderr and "--token" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "art_core.cli", "serve", "--port", "0", "--inference", "sglang",
+                          "--path", str(tmp_path)], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert out.returncode == 2 and "--inference 'sglang' is not one of transformers, vllm" in out.stderr
