@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
     from ..gateway.records import ExchangeRecord
 
 __all__ = ["RemoteBackend"]
+
+logger = logging.getLogger(__name__)
 
 _TRAJECTORIES = TypeAdapter(list[Trajectory])
 
@@ -169,7 +172,9 @@ class RemoteBackend:
                     else:
                         events = self._events("POST", base, content=body.encode())
                     async for kind, data in events:
-                        if kind == "progress" and bar is not None:
+                        if kind == "accepted":
+                            logger.info("train call %s: %s on the server", train_id, data["state"])
+                        elif kind == "progress" and bar is not None:
                             bar(data["done"], data["total"])
                         elif kind == "result":
                             result = TrainResult.model_validate(data)
