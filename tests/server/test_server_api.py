@@ -211,3 +211,30 @@ def test_refuses_an_exposed_host_without_a_token(tmp_path):
     out = subprocess.run([sys.executable, "-m", "art_core.cli", "serve", "--port", "0", "--inference", "sglang",
                           "--path", str(tmp_path)], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
     assert out.returncode == 2 and "--inference 'sglang' is not one of transformers, vllm" in out.stderr
+
+
+async def test_train_call_survives_a_server_restart(tmp_path, tiny_model_dir):
+    """The server dies during a step and comes back on the same port: the client re-registers, sends the call
+    again, and gets the step's result; the first attempt's trajectories stay on disk beside the second's."""
+    model = TrainableModel(name="restart", base_model=tiny_model_dir)
+    started = tmp_path / "default" / "models" / "restart" / "trajectories" / "0001.jsonl"
+    with running_server(tmp_path) as first:
+        backend = RemoteBackend(first.url, token=TOKEN, show_progress=False, reconnect_for=120)
+        await model.register(backend)
+        big = [TrajectoryGroup(Trajectory(
+            calls=[CallRecord(prompt_token_ids=list(range(100 + g, 400 + g)), completion_token_ids=[500 + i, 2])],
+            reward=float(i)) for i in range(32)) for g in range(4)]
+        training = asyncio.create_task(model.train(big, config=TrainConfig(micro_batch_tokens=64)))
+        while not started.exists():  # the server persisted the groups: the step is under way
+            assert not training.done(), training
+            await asyncio.sleep(0.01)
+        first.process.kill()  # no graceful shutdown: as a crash
+        first.process.wait()
+    port = first.url.rsplit(":", 1)[1]
+    with running_server(tmp_path, args=("--port", port)) as second:
+        assert second.url == first.url
+        metrics = await asyncio.wait_for(training, 120)
+        assert metrics["trained"] and model.step == 1
+        assert [row["step"] for row in await model.history()] == [1]
+        assert sorted(p.name for p in started.parent.iterdir()) == ["0001-2.jsonl", "0001.jsonl"]
+        await backend.aclose()

@@ -52,6 +52,7 @@ __all__ = ["RemoteBackend"]
 logger = logging.getLogger(__name__)
 
 _TRAJECTORIES = TypeAdapter(list[Trajectory])
+_RECORDS: TypeAdapter[list[ExchangeRecord]] | None = None  # built on first use (the records module loads lazily)
 
 
 class RemoteBackend:
@@ -145,7 +146,10 @@ class RemoteBackend:
         except httpx.TransportError as exc:
             raise self._unavailable(exc) from exc
         self._raise_for_error(response)
-        return TypeAdapter(list[ExchangeRecord]).validate_json(response.content)
+        global _RECORDS
+        if _RECORDS is None:
+            _RECORDS = TypeAdapter(list[ExchangeRecord])
+        return _RECORDS.validate_json(response.content)
 
     def model_dir(self, model: ModelSpec) -> Path:
         """The model's folder on the server's disk (not on this machine)."""
@@ -186,6 +190,12 @@ class RemoteBackend:
                     raise httpx.RemoteProtocolError("the event stream ended before the step's result")
                 except _NotFound:
                     attach = False  # the server restarted before the call finished: send it again
+                except LifecycleError as exc:
+                    if deadline is None or "not registered on this server" not in str(exc):
+                        raise
+                    # The server restarted and lost its registrations: register again, then resend the call.
+                    await self._call("POST", "/models", content=model.model_dump_json().encode())
+                    attach = False
                 except (httpx.TransportError, ServerUnavailableError) as exc:
                     now = time.monotonic()
                     deadline = deadline if deadline is not None else now + self.reconnect_for
