@@ -103,6 +103,7 @@ async def serve(settings: ServerSettings, *, ready: Any = None) -> None:
     from ..backends.local import LocalBackend
     from .app import create_server_app
 
+    _quiet_progress_bars()
     sock = _bind(settings.host, settings.port)
     url = f"http://{_client_host(settings.host)}:{sock.getsockname()[1]}"
     backend = LocalBackend(path=settings.path, num_threads=settings.num_threads, show_progress=False,
@@ -148,6 +149,29 @@ def run_forever(settings: ServerSettings) -> None:
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(settings, ready=ready))
+
+
+def _quiet_progress_bars() -> None:
+    """Turn off transformers' and the hub's tqdm bars in this (server) process.
+
+    They are drawn from worker threads (loading, saving checkpoints) and nobody watches a server's console;
+    worse, a bar collected by the garbage collector on the event loop's thread can deadlock on tqdm's write
+    lock against tqdm's monitor thread (seen: the server hung until killed).
+    """
+    import importlib
+
+    for module, function in (("transformers.utils.logging", "disable_progress_bar"),
+                             ("huggingface_hub.utils", "disable_progress_bars")):
+        try:
+            getattr(importlib.import_module(module), function)()
+        except (ImportError, AttributeError):
+            pass  # not installed, or a version without the switch: nothing to turn off
+    try:
+        import tqdm
+
+        tqdm.tqdm.monitor_interval = 0  # no monitor thread for any bar that is still drawn
+    except ImportError:
+        pass
 
 
 class _Server:
