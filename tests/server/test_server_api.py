@@ -167,9 +167,16 @@ async def test_remote_backend_contract(server: Server, tiny_model_dir):
         # The same groups again: answered from the first call, not trained twice.
         again = await model.train([groups[2]], config=config)
         assert again == metrics and model.step == 3 and len(await model.history()) == 3
+        # On the wire: server-sent events, accepted -> progress per micro-batch -> result.
+        url = f"{server.url}{API_PREFIX}/models/api/contract/train"
+        body = {"train_id": "sse-1", "groups": [json.loads(_group(9).model_dump_json())], "config": {}}
+        async with httpx.AsyncClient(headers=AUTH) as http, http.stream("POST", url, json=body) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            kinds = [line[7:] async for line in response.aiter_lines() if line.startswith("event: ")]
+        assert kinds[0] == "accepted" and kinds[-1] == "result" and set(kinds[1:-1]) == {"progress"}, kinds
         # Errors arrive as the server's classes with its messages.
-        with pytest.raises(CheckpointError, match="0003 is the one being served"):
-            await model.delete_checkpoints([1, 3])
+        with pytest.raises(CheckpointError, match="0004 is the one being served"):
+            await model.delete_checkpoints([1, 4])
         assert await model.delete_checkpoints([1, 2]) == [1, 2]
         with pytest.raises(TrajectoryError, match="has no assistant turn and no recorded call: nothing to train on"):
             bad = TrajectoryGroup([Trajectory(messages=[{"role": "user", "content": "x"}], reward=1.0),
@@ -181,7 +188,7 @@ async def test_remote_backend_contract(server: Server, tiny_model_dir):
     again_model = TrainableModel(name="contract", project="api", base_model=tiny_model_dir)
     async with RemoteBackend(server.url, token=TOKEN, show_progress=False) as backend:
         await again_model.register(backend)
-        assert again_model.step == 3
+        assert again_model.step == 4
     async with RemoteBackend(server.url, token=TOKEN, show_progress=False) as backend:
         with pytest.raises(LifecycleError, match="already registered on this server with another spec"):
             await backend.register(TrainableModel(name="contract", project="api", base_model="/elsewhere").spec)
