@@ -11,6 +11,10 @@ Two figures, each from paired runs that alternate between the two sides so the m
   its own port in this process. Remote: the server's gateway, mounted on its one port behind the token,
   records fetched over HTTP. One-token answers of a tiny random model keep generation out of the way.
   Goal: at most 2 ms.
+- ``server_layers_us``: what the server's own layers (token check, body rules, dispatch to the mounted
+  gateway) add to one request, in process (``httpx.ASGITransport``, no sockets, no second process):
+  ``GET .../v1/models`` through the server's app against the same request to the gateway's app directly.
+  It separates the code's cost from what two processes cost on a busy machine (scheduling, loopback).
 
     python tests/benchmarks/remote_overhead.py [--train-pairs 5] [--runs 20] [--calls 10]
 
@@ -68,6 +72,42 @@ def start_server(path: Path) -> tuple[subprocess.Popen[str], str]:
     raise RuntimeError("the server did not start")
 
 
+async def layers_us(base: Path, folder: Path, requests: int = 2000) -> float:
+    """Median over 5 alternated rounds of (server app - gateway app) per request, in microseconds."""
+    import httpx
+
+    from art_core.server.app import create_server_app
+
+    backend = LocalBackend(path=folder, show_progress=False, num_threads=1,
+                           gateway_mount=lambda spec: f"http://server/gateway/{spec.project}/{spec.name}")
+    async with backend:
+        model = TrainableModel(name="agent", base_model=base)
+        app = create_server_app(backend, token=TOKEN, max_body_bytes=1 << 20)
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        through = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://server",
+                                    headers=headers)
+        registered = await through.post("/art/v1/models", content=model.spec.model_dump_json())
+        assert registered.status_code == 200, registered.text
+        direct = httpx.AsyncClient(transport=httpx.ASGITransport(app=backend.gateway(model.spec).app),
+                                   base_url="http://server")
+
+        async def timed(client: httpx.AsyncClient, path: str) -> float:
+            started = time.perf_counter()
+            for _ in range(requests):
+                response = await client.get(path)
+                assert response.status_code == 200, response.text
+            return (time.perf_counter() - started) / requests
+
+        differences = []
+        for _ in range(6):
+            d = await timed(direct, "/v1/models")
+            t = await timed(through, "/gateway/default/agent/v1/models")
+            differences.append((t - d) * 1e6)
+        await through.aclose()
+        await direct.aclose()
+    return statistics.median(differences[1:])  # the first round warms up
+
+
 async def main(train_pairs: int, runs: int, calls: int) -> dict[str, float]:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -112,9 +152,11 @@ async def main(train_pairs: int, runs: int, calls: int) -> dict[str, float]:
                     started = time.perf_counter()
                     trajectory = await graph.rollout(state)
                     elapsed = time.perf_counter() - started
+                    last_rollout[graph] = trajectory.metadata["rollout_id"]
                     assert len(trajectory.calls) + sum(len(h.calls) for h in trajectory.additional_histories) == calls
                     return elapsed
 
+                last_rollout: dict[object, str] = {}
                 for _ in range(3):
                     await timed_rollout(local_graph)
                     await timed_rollout(remote_graph)
@@ -127,9 +169,16 @@ async def main(train_pairs: int, runs: int, calls: int) -> dict[str, float]:
                     local_ms.append(lo / calls * 1e3)
                     remote_ms.append(re / calls * 1e3)
                     rollout_overhead.append((re - lo) / calls * 1e3)
+                # Part of the rollout's cost: fetching its records (one GET per rollout, sync by contract).
+                fetch_ms = []
+                for _ in range(20):
+                    started = time.perf_counter()
+                    assert len(there.rollout_records(last_rollout[remote_graph])) == calls
+                    fetch_ms.append((time.perf_counter() - started) * 1e3)
         finally:
             process.terminate()
             process.wait(60)
+        layers = await layers_us(base, Path(tmp) / "layers")
     return {
         "train_pairs": train_pairs,
         "train_body_bytes": body_bytes,
@@ -141,6 +190,8 @@ async def main(train_pairs: int, runs: int, calls: int) -> dict[str, float]:
         "rollout_remote_ms_per_call_median": round(statistics.median(remote_ms), 3),
         "rollout_overhead_ms": round(statistics.median(rollout_overhead), 3),
         "rollout_overhead_ms_p90": round(statistics.quantiles(rollout_overhead, n=10)[-1], 3),
+        "records_fetch_ms_median": round(statistics.median(fetch_ms), 3),
+        "server_layers_us": round(layers, 1),
     }
 
 
@@ -157,4 +208,6 @@ if __name__ == "__main__":
     print(f"LangGraph rollout, per LLM call: local {figures['rollout_local_ms_per_call_median']} ms, remote "
           f"{figures['rollout_remote_ms_per_call_median']} ms; overhead {figures['rollout_overhead_ms']} ms "
           f"(p90 {figures['rollout_overhead_ms_p90']}; goal <= 2 ms)")
+    print(f"of which fetching a rollout's {args.calls} records: {figures['records_fetch_ms_median']} ms per rollout")
+    print(f"server layers (token, body rules, dispatch), in process: {figures['server_layers_us']} us per request")
     print(json.dumps(figures))
