@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import REPO, TOKEN, running_server
+from server_process import REPO, TOKEN, running_server
 
 from art_core import read_groups_jsonl
 from art_core.server.wire import API_PREFIX

@@ -13,7 +13,7 @@ import json
 import httpx
 import openai
 import pytest
-from conftest import TOKEN, Server, running_server
+from server_process import TOKEN, Server, running_server
 
 from art_core import (
     Backend,
@@ -208,7 +208,7 @@ def test_refuses_an_exposed_host_without_a_token(tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO, source_env
+    from server_process import REPO, source_env
 
     env = source_env()
     env.pop("ART_SERVER_TOKEN", None)

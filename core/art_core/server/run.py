@@ -104,6 +104,12 @@ async def serve(settings: ServerSettings, *, ready: Any = None) -> None:
     from .app import create_server_app
 
     _quiet_progress_bars()
+    if settings.num_threads is not None:
+        import torch
+
+        # Process-wide, as `art-core demo` does: the engine's decode loop runs outside LocalBackend's
+        # per-call thread setting, and 2 threads on a busy 2-core machine collapse (see ENVIRONMENT.md).
+        torch.set_num_threads(settings.num_threads)
     sock = _bind(settings.host, settings.port)
     url = f"http://{_client_host(settings.host)}:{sock.getsockname()[1]}"
     backend = LocalBackend(path=settings.path, num_threads=settings.num_threads, show_progress=False,
