@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
+from contextvars import ContextVar
 from types import TracebackType
 from typing import Any
 
@@ -26,9 +28,17 @@ from art_core.trajectories import trajectory_from_records
 
 from ._routing import Route, routed
 
-__all__ = ["NoTrainableCallsError", "RewardFn", "RolloutScope", "gather_group", "score"]
+__all__ = ["NoTrainableCallsError", "RewardFn", "RolloutScope", "check_langfuse", "current_group_id", "gather_group",
+           "langfuse_trace", "score"]
 
 logger = logging.getLogger(__name__)
+
+_group_id: ContextVar[str | None] = ContextVar("art_plugins_group_id", default=None)
+
+
+def current_group_id() -> str | None:
+    """The id ``gather_group`` gave the group the current rollout belongs to (None outside a group)."""
+    return _group_id.get()
 
 
 class NoTrainableCallsError(ArtError):
@@ -59,14 +69,22 @@ class RolloutScope:
         self.route = Route(model_names=names, served_name=model.name, base_url=gateway_url,
                            api_key=model.api_key, caller=caller)
         self._scope: Any = None
+        # Chosen now, not when the trajectory is built, so that a trace can be named after it while the run goes.
+        self.trajectory_id = uuid.uuid4().hex[:12]
+        self.trace: Any = None
+        """The rollout's Langfuse trace (``art_plugins.langfuse.RolloutTrace``), opened and closed with the scope."""
 
     def __enter__(self) -> RolloutScope:
         self._scope = routed(self.route)
         self._scope.__enter__()
+        if self.trace is not None:
+            self.trace.__enter__()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        if self.trace is not None:
+            self.trace.__exit__(exc_type, exc, tb)
         scope, self._scope = self._scope, None
         if scope is not None:
             scope.__exit__(exc_type, exc, tb)
@@ -102,9 +120,34 @@ class RolloutScope:
                                   "truncated": stop_reason is not None}
         if stop_reason is not None:
             labels["stop_reason"] = stop_reason
-        trajectory = trajectory_from_records(records, metadata={**labels, **(metadata or {})})
+        trajectory = trajectory_from_records(records, id=self.trajectory_id, metadata={**labels, **(metadata or {})})
         trajectory.final_state = final_state
-        return trajectory
+        return self.trace.link(trajectory) if self.trace is not None else trajectory
+
+    def scored(self, trajectory: Trajectory) -> Trajectory:
+        """The scored trajectory, its scores sent to Langfuse when the rollout is traced."""
+        return self.trace.finish(trajectory) if self.trace is not None else trajectory
+
+
+def langfuse_trace(option: Any, scope: RolloutScope, input: Any) -> Any:
+    """The rollout's Langfuse trace (``art_plugins.langfuse.RolloutTrace``), or None when Langfuse is off.
+
+    Off (``option`` falsy), nothing of Langfuse is imported, unless ``art_plugins.langfuse`` already is (its
+    ``evaluate`` turns tracing on for the rollouts it runs).
+    """
+    if not option and "art_plugins.langfuse" not in sys.modules:
+        return None
+    from .langfuse import rollout_trace
+
+    return rollout_trace(option, scope, input)
+
+
+def check_langfuse(option: Any, model: TrainableModel) -> None:
+    """Validate an adapter's ``langfuse=`` option now (and trace the model's steps), not at the first rollout."""
+    if option:
+        from .langfuse import resolve
+
+        resolve(option, model)
 
 
 async def score(trajectory: Trajectory, reward: RewardFn | None) -> Trajectory:
@@ -133,7 +176,11 @@ async def gather_group(n: int, rollout: Callable[[], Awaitable[Trajectory]]) -> 
     """
     if n < 1:
         raise ConfigError(f"n is {n}: a group needs at least one rollout (GRPO needs two or more)")
-    results = await asyncio.gather(*(rollout() for _ in range(n)), return_exceptions=True)
+    token = _group_id.set(uuid.uuid4().hex[:12])  # each rollout's task copies it (trace metadata: "group")
+    try:
+        results = await asyncio.gather(*(rollout() for _ in range(n)), return_exceptions=True)
+    finally:
+        _group_id.reset(token)
     for result in results:
         if isinstance(result, BaseException) and not isinstance(result, Exception):
             raise result

@@ -50,6 +50,9 @@ class Route:
     base_url: str
     api_key: str | None = None
     caller: Callable[[], str | None] | None = None
+    on_response: Callable[[Any], None] | None = None
+    """Called with the response to each routed call, in the task that made it (``art_plugins.langfuse``
+    reads the gateway's headers there); it must not raise."""
     models_seen: dict[str, int] = field(default_factory=dict)
     """Every model named in a JSON POST made in the scope (any provider), with its number of calls."""
     routed_calls: int = 0
@@ -144,12 +147,24 @@ def _wrap(original: Callable[..., Any], is_async: bool) -> Callable[..., Any]:
     if is_async:
         async def send_async(self: Any, request: Any, **kwargs: Any) -> Any:
             route = _current.get()
-            return await original(self, route.rewrite(request) if route is not None else request, **kwargs)
+            if route is None:
+                return await original(self, request, **kwargs)
+            sent = route.rewrite(request)
+            response = await original(self, sent, **kwargs)
+            if sent is not request and route.on_response is not None:
+                route.on_response(response)
+            return response
         return send_async
 
     def send(self: Any, request: Any, **kwargs: Any) -> Any:
         route = _current.get()
-        return original(self, route.rewrite(request) if route is not None else request, **kwargs)
+        if route is None:
+            return original(self, request, **kwargs)
+        sent = route.rewrite(request)
+        response = original(self, sent, **kwargs)
+        if sent is not request and route.on_response is not None:
+            route.on_response(response)
+        return response
     return send
 
 

@@ -28,7 +28,7 @@ from typing import Any, Literal, TypeVar, overload
 from art_core import TrainableModel, Trajectory, TrajectoryGroup
 from art_core.errors import ConfigError
 
-from ._rollout import NoTrainableCallsError, RewardFn, RolloutScope, gather_group, score
+from ._rollout import NoTrainableCallsError, RewardFn, RolloutScope, check_langfuse, gather_group, langfuse_trace, score
 
 __all__ = ["NoTrainableCallsError", "TrainableGraph", "trainable"]
 
@@ -57,10 +57,13 @@ class TrainableGraph:
         model_names: the model names the graph's chat models use for the trainable model. Default: ``model.name``.
         recursion_limit: LangGraph's step limit per run; a run that reaches it is kept, marked truncated.
         timeout: seconds per run; a run that exceeds it is cancelled and kept, marked truncated.
+        langfuse: True (keys from ``LANGFUSE_*``), a ``langfuse.Langfuse`` client or an
+            ``art_plugins.langfuse.LangfuseTracing``: each rollout becomes a Langfuse trace, rewards scores,
+            steps traces (see ``art_plugins.langfuse``). Default: off, nothing imported or sent.
     """
 
     def __init__(self, graph: Any, model: TrainableModel, *, model_names: Iterable[str] | None = None,
-                 recursion_limit: int | None = None, timeout: float | None = None) -> None:
+                 recursion_limit: int | None = None, timeout: float | None = None, langfuse: Any = None) -> None:
         if not hasattr(graph, "astream") or not hasattr(graph, "ainvoke"):
             raise ConfigError(f"trainable() needs a compiled LangGraph graph, got {type(graph).__name__}: call "
                               ".compile() on a StateGraph first")
@@ -71,6 +74,8 @@ class TrainableGraph:
         self.model_names = frozenset(model_names) if model_names is not None else frozenset({model.name})
         self.recursion_limit = recursion_limit
         self.timeout = timeout
+        self.langfuse = langfuse
+        check_langfuse(langfuse, model)
 
     def __repr__(self) -> str:
         return f"TrainableGraph({type(self.graph).__name__}, model={self.model.name!r})"
@@ -105,10 +110,12 @@ class TrainableGraph:
         from langgraph.errors import GraphRecursionError
 
         scope = self.capture(rollout_id=rollout_id)
+        scope.trace = langfuse_trace(self.langfuse, scope, input)  # Langfuse: None when off
         progress = _Progress()
         stop_reason = None
         deadline = asyncio.timeout(self.timeout)
         async with scope:
+            run_config = scope.trace.langchain_config(run_config) if scope.trace else run_config
             try:
                 async with deadline:
                     await _run(self.graph, input, run_config, method, progress)
@@ -119,7 +126,7 @@ class TrainableGraph:
                     raise  # the graph's own timeout (a tool's, a client's), not the rollout's limit
                 stop_reason = "timeout"
         trajectory = scope.trajectory(final_state=progress.state, stop_reason=stop_reason)
-        return await score(trajectory, reward)
+        return scope.scored(await score(trajectory, reward))
 
     async def group(self, input: Any, *, n: int, reward: RewardFn | None = None, config: dict[str, Any] | None = None,
                     method: Method = "astream") -> TrajectoryGroup:
@@ -153,19 +160,20 @@ async def _run(graph: Any, input: Any, config: dict[str, Any], method: Method, p
 
 @overload
 def trainable(graph: TrainableModel, model: None = None, *, model_names: Iterable[str] | None = None,
-              recursion_limit: int | None = None, timeout: float | None = None
+              recursion_limit: int | None = None, timeout: float | None = None, langfuse: Any = None
               ) -> Callable[[Callable[..., Any]], Callable[..., TrainableGraph]]: ...
 @overload
 def trainable(graph: Any, model: TrainableModel, *, model_names: Iterable[str] | None = None,
-              recursion_limit: int | None = None, timeout: float | None = None) -> TrainableGraph: ...
+              recursion_limit: int | None = None, timeout: float | None = None, langfuse: Any = None
+              ) -> TrainableGraph: ...
 def trainable(graph: Any, model: TrainableModel | None = None, *, model_names: Iterable[str] | None = None,
-              recursion_limit: int | None = None, timeout: float | None = None) -> Any:
+              recursion_limit: int | None = None, timeout: float | None = None, langfuse: Any = None) -> Any:
     """Wrap a compiled graph (``trainable(graph, model)``), or decorate a function that builds one.
 
     As a decorator, ``@trainable(model)`` turns ``def build_graph(...) -> CompiledGraph`` into a function
     returning a ``TrainableGraph``; the builder's own code does not change.
     """
-    options = {"model_names": model_names, "recursion_limit": recursion_limit, "timeout": timeout}
+    options = {"model_names": model_names, "recursion_limit": recursion_limit, "timeout": timeout, "langfuse": langfuse}
     if model is None:
         if not isinstance(graph, TrainableModel):
             raise ConfigError("trainable() needs a model: trainable(graph, model), or @trainable(model) on a "

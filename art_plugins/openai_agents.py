@@ -67,7 +67,7 @@ from pydantic import BaseModel
 from art_core import TrainableModel, Trajectory, TrajectoryGroup
 from art_core.errors import ConfigError, LifecycleError
 
-from ._rollout import NoTrainableCallsError, RewardFn, RolloutScope, gather_group, score
+from ._rollout import NoTrainableCallsError, RewardFn, RolloutScope, check_langfuse, gather_group, langfuse_trace, score
 from ._routing import wrappers_installed
 
 try:
@@ -143,13 +143,17 @@ class TrainableRunner:
             OpenAI; True leaves tracing as the SDK is configured.
         timeout: seconds per ``run``; a run that exceeds it is cancelled and kept, marked truncated
             (``stop_reason="timeout"``). Default: no limit.
+        langfuse: True (keys from ``LANGFUSE_*``), a ``langfuse.Langfuse`` client or an
+            ``art_plugins.langfuse.LangfuseTracing``: each ``run`` (and each run of ``group``) becomes a Langfuse
+            trace with the SDK's structure, rewards scores, steps traces (see ``art_plugins.langfuse``; those
+            runs are traced, whatever ``tracing`` says). ``run_streamed`` is not sent. Default: off.
 
     Raises:
         ConfigError: an argument is invalid (the message says which).
     """
 
     def __init__(self, model: TrainableModel, *, model_names: Iterable[str] | None = None, api: Api | None = None,
-                 tracing: bool = False, timeout: float | None = None) -> None:
+                 tracing: bool = False, timeout: float | None = None, langfuse: Any = None) -> None:
         if not isinstance(model, TrainableModel):
             raise ConfigError(f"TrainableRunner needs a TrainableModel, got {type(model).__name__}")
         names = frozenset(model_names or ())
@@ -164,6 +168,8 @@ class TrainableRunner:
         self.api = api
         self.tracing = tracing
         self.timeout = timeout
+        self.langfuse = langfuse
+        check_langfuse(langfuse, model)
 
     def __repr__(self) -> str:
         return f"TrainableRunner(model={self.model.name!r}, model_names={sorted(self.model_names)})"
@@ -198,6 +204,7 @@ class TrainableRunner:
         """
         _check_agent(starting_agent)
         capture = self.capture(rollout_id=rollout_id)
+        capture.scope.trace = langfuse_trace(self.langfuse, capture.scope, input)  # Langfuse: None when off
         result: RunResult | None = None
         error: BaseException | None = None
         deadline = asyncio.timeout(self.timeout)
@@ -218,7 +225,7 @@ class TrainableRunner:
         last_agent = result.last_agent if result is not None else _last_agent(error)
         trajectory = capture.trajectory(final_output=result.final_output if result is not None else None,
                                         last_agent=last_agent, error=error)
-        return result, await score(trajectory, reward)
+        return result, capture.scope.scored(await score(trajectory, reward))
 
     def run_streamed(self, starting_agent: Agent[Any], input: RunInput, *, reward: RewardFn | None = None,
                      context: Any = None, max_turns: int | None = DEFAULT_MAX_TURNS,
@@ -320,7 +327,8 @@ class AgentCapture:
             config, model_provider=provider,
             call_model_input_filter=_labelling(config.call_model_input_filter),
             tool_error_formatter=self._reporting(config.tool_error_formatter),
-            tracing_disabled=config.tracing_disabled or not runner.tracing,
+            # A run traced to Langfuse needs the SDK's tracing on: OpenInference reads the SDK's spans.
+            tracing_disabled=config.tracing_disabled or not (runner.tracing or self.scope.trace is not None),
         )
 
     def error_handlers(self, handlers: RunErrorHandlers[Any] | None) -> RunErrorHandlers[Any] | None:

@@ -8,10 +8,12 @@
 
 from __future__ import annotations
 
+import inspect
+import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .config import LoraSettings, TrainConfig
 from .errors import ConfigError, LifecycleError
@@ -21,7 +23,13 @@ if TYPE_CHECKING:
     from .backends.base import Backend, ModelSpec
     from .gateway.records import ExchangeRecord
 
-__all__ = ["TrainableModel"]
+__all__ = ["StepHook", "TrainableModel"]
+
+logger = logging.getLogger(__name__)
+
+StepHook: TypeAlias = Callable[["TrainableModel", list[TrajectoryGroup], dict[str, Any]], Awaitable[None] | None]
+"""Called after each ``train`` with the model (``model.step`` is the new step), the groups and the step's
+metrics; sync or async. What observability layers (``art_plugins.langfuse``) attach to."""
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 EMBEDDED_MODEL = "smollm2-135m-instruct"
@@ -54,6 +62,7 @@ class TrainableModel:
         self.lora = lora or LoraSettings()
         self._backend: Backend | None = None
         self._step = 0
+        self._step_hooks: list[StepHook] = []
         from .backends.base import ModelSpec
 
         self._spec = ModelSpec(name=self.name, project=self.project, base_model=str(base_model), lora=self.lora)
@@ -114,7 +123,28 @@ class TrainableModel:
             raise ConfigError("train() got no group: gather at least one TrajectoryGroup first")
         result = await self.backend.train(self.spec, groups, config or TrainConfig())
         self._step = result.step
+        await self._run_step_hooks(groups, result.metrics)
         return result.metrics
+
+    def add_step_hook(self, hook: StepHook) -> Callable[[], None]:
+        """Call ``hook(model, groups, metrics)`` after every ``train`` (sync or async).
+
+        A hook that raises is logged and skipped: it never fails the step, which is already on disk.
+
+        Returns:
+            A function that removes the hook.
+        """
+        self._step_hooks.append(hook)
+        return lambda: self._step_hooks.remove(hook) if hook in self._step_hooks else None
+
+    async def _run_step_hooks(self, groups: list[TrajectoryGroup], metrics: dict[str, Any]) -> None:
+        for hook in list(self._step_hooks):
+            try:
+                outcome = hook(self, groups, metrics)
+                if inspect.isawaitable(outcome):
+                    await outcome
+            except Exception:  # observability must not fail training: the checkpoint is written already
+                logger.exception("step hook %r failed after step %d", hook, self._step)
 
     async def sample(self, messages: Sequence[dict[str, Any]], *, n: int = 1, max_tokens: int = 256,
                      temperature: float = 1.0, tools: list[dict[str, Any]] | None = None,

@@ -32,6 +32,7 @@ __all__ = [
     "Trajectory",
     "TrajectoryGroup",
     "read_groups_jsonl",
+    "trace_links",
     "write_groups_jsonl",
 ]
 
@@ -240,3 +241,17 @@ def read_groups_jsonl(path: str | Path) -> list[TrajectoryGroup]:
             except ValidationError as exc:
                 raise TrajectoryError(f"{path}:{lineno}: not a valid TrajectoryGroup:\n{exc}") from exc
     return groups
+
+
+TRACE_ID_KEY = "langfuse_trace_id"
+"""``Trajectory.metadata`` key under which an observability layer (``art_plugins.langfuse``) stores the run's
+trace id; art_core only copies these ids into ``history.jsonl``."""
+
+
+def trace_links(groups: Iterable[TrajectoryGroup]) -> dict[str, list[str]]:
+    """``{"langfuse_trace_ids": [...]}``: the trace ids the groups' trajectories carry, for a history row.
+
+    Empty (no key) when no trajectory has one, so rows of untraced runs stay as they were.
+    """
+    ids = [str(t.metadata[TRACE_ID_KEY]) for g in groups for t in g.trajectories if t.metadata.get(TRACE_ID_KEY)]
+    return {"langfuse_trace_ids": ids} if ids else {}

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..config import TrainConfig
 from ..engines.base import SamplingParams
 from ..errors import ConfigError, LifecycleError
-from ..types import CallRecord, Message, Trajectory, TrajectoryGroup, write_groups_jsonl
+from ..types import CallRecord, Message, Trajectory, TrajectoryGroup, trace_links, write_groups_jsonl
 
 from ._progress import progress_bar
 from .base import ModelSpec, TrainResult
@@ -241,7 +241,8 @@ class LocalBackend:
                                  metadata={"loss": config.loss, "reward_mean": metrics["reward_mean"]})
                 slot.step = next_step
                 slot.engine.mark_adapter_step(next_step)  # the engine shares the trained weights
-            _append_history(slot.model_dir / "history.jsonl", {"step": slot.step, "time": time.time(), **metrics})
+            _append_history(slot.model_dir / "history.jsonl",
+                             {"step": slot.step, "time": time.time(), **metrics, **trace_links(groups)})
             return metrics, slot.step
 
     # -- helpers --------------------------------------------------------------------------------------

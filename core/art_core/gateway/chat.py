@@ -41,7 +41,7 @@ from .schemas import (
     Usage,
 )
 from .served import check_model
-from .state import GatewayState, request_scope
+from .state import GatewayState, call_headers, request_scope
 from .streaming import StreamedChoice, sse_chunks
 from .tokens import Detokenizer, render_prompt, template_message
 from .tool_calls import ParsedToolCall, format_tool_call_id, hermes_tool_call_grammar, parse_tool_calls
@@ -113,6 +113,7 @@ async def chat_completions(request: Request) -> Response:
     usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=sum(len(o.token_ids) for o in outputs),
                   total_tokens=len(prompt_ids) + sum(len(o.token_ids) for o in outputs))
     fingerprint = f"adapter-{outputs[0].adapter_step}"
+    headers = call_headers(request_id, outputs[0].adapter_step, usage.prompt_tokens, usage.completion_tokens)
     top_n = body.top_logprobs or 0
     logprobs = [_logprob_entries(out, state.detokenizer, top_n) if body.logprobs else None for out in outputs]
     if body.stream:
@@ -127,7 +128,7 @@ async def chat_completions(request: Request) -> Response:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = sse_chunks(streamed, detokenizer=state.detokenizer, header=header,
                             usage=usage.model_dump() if include_usage else None)
-        return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
     completion = ChatCompletion(
         id=request_id, created=int(created), model=body.model, usage=usage, system_fingerprint=fingerprint,
         choices=[
@@ -137,7 +138,7 @@ async def chat_completions(request: Request) -> Response:
         ],
     )
     # Serialised once, by pydantic's Rust serialiser (not model_dump() and then json.dumps again).
-    return Response(completion.model_dump_json(), media_type="application/json")
+    return Response(completion.model_dump_json(), media_type="application/json", headers=headers)
 
 
 async def generate_outputs(

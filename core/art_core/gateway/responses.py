@@ -48,7 +48,7 @@ from .errors import APIError
 from .records import ExchangeRecord
 from .schemas import ChatCompletionRequest, FunctionDefinition, JsonSchemaFormat, TokenLogprob
 from .served import check_model
-from .state import GatewayState, request_scope
+from .state import GatewayState, call_headers, request_scope
 from .streaming import _sse
 from .tokens import Detokenizer, render_prompt, template_message
 from .tool_calls import ContentDelta, ToolCallStream, format_tool_call_id
@@ -323,11 +323,12 @@ async def create_response(request: Request) -> Response:
     logprobs = _logprob_entries(out, state.detokenizer, body.top_logprobs or 0) if want_logprobs else []
     response = _response_object(body, raw, response_id=response_id, created=created, answer=answer, call_ids=call_ids,
                                 logprobs=logprobs, params=params, usage=(len(prompt_ids), len(out.token_ids)))
+    headers = call_headers(response_id, out.adapter_step, len(prompt_ids), len(out.token_ids))
     if body.stream:
         deltas = _content_deltas(out, answer.text, answer.content, state.detokenizer, tool_names, logprobs)
         return StreamingResponse(_sse_events(response, deltas), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-    return JSONResponse(response.model_dump(mode="json"))
+                                 headers={"Cache-Control": "no-cache", **headers})
+    return JSONResponse(response.model_dump(mode="json"), headers=headers)
 
 
 def _refuse_unsupported(raw: dict[str, Any]) -> None:

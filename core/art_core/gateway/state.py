@@ -15,12 +15,31 @@ from .records import RecordStore
 from .settings import GatewaySettings
 from .tokens import Detokenizer
 
-__all__ = ["CALLER_HEADER", "ROLLOUT_ID_PATTERN", "GatewayState", "check_rollout_id", "get_state", "request_scope",
+__all__ = ["ADAPTER_STEP_HEADER", "CALLER_HEADER", "COMPLETION_TOKENS_HEADER", "PROMPT_TOKENS_HEADER", "REQUEST_ID_HEADER",
+           "ROLLOUT_ID_PATTERN", "GatewayState", "call_headers", "check_rollout_id", "get_state", "request_scope",
            "rollout_scope"]
 
 CALLER_HEADER = "X-Art-Caller"
 """Names the part of an agent that made a call (a graph node, an agent); kept in the call's record."""
 _CALLER = re.compile(r"^[^\x00-\x1f\x7f]{1,200}$")
+
+# Sent with every completion (streamed too: generation is done before the first byte), so a client or an
+# observer in the client's process (art_plugins.langfuse) learns what served the call without reading the body.
+REQUEST_ID_HEADER = "X-Request-Id"
+"""The record's ``request_id`` (the response's ``id``), as OpenAI's API sends it."""
+ADAPTER_STEP_HEADER = "X-Art-Adapter-Step"
+"""The checkpoint step of the adapter that sampled the completion (0: the base model)."""
+PROMPT_TOKENS_HEADER = "X-Art-Prompt-Tokens"
+"""Token ids in the rendered prompt."""
+COMPLETION_TOKENS_HEADER = "X-Art-Completion-Tokens"
+"""Sampled token ids, summed over the ``n`` choices."""
+
+
+def call_headers(request_id: str, adapter_step: int, prompt_tokens: int, completion_tokens: int) -> dict[str, str]:
+    """The response headers that describe one recorded call."""
+    return {REQUEST_ID_HEADER: request_id, ADAPTER_STEP_HEADER: str(adapter_step),
+            PROMPT_TOKENS_HEADER: str(prompt_tokens), COMPLETION_TOKENS_HEADER: str(completion_tokens)}
+
 
 ROLLOUT_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 """Letters, digits, ``.``, ``_`` and ``-``: safe in URLs, file names and log lines."""

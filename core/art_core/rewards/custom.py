@@ -105,6 +105,8 @@ async def score_group(
             if name != RULER:  # RULER's own metrics already hold ruler_score
                 metrics[name] = per_trajectory[i]
         trajectory.metrics = metrics
+        # Which metrics are reward components (for reports and Langfuse scores); RULER's is metrics["ruler_score"].
+        trajectory.metadata = {**trajectory.metadata, "reward_components": ",".join(values)}
         trajectory.reward = sum(weights.get(name, 1.0) * per_trajectory[i] for name, per_trajectory in values.items())
     return scored
 
