@@ -137,7 +137,8 @@ class LangfuseTracing:
         self.failures = _FailureCounter()
         self._reported = 0
         self._flushing: threading.Thread | None = None
-        self._models: weakref.WeakSet[TrainableModel] = weakref.WeakSet()
+        self._detach: dict[int, Callable[[], None]] = {}  # id(model) -> removes the step hook
+        self._trace_ids: set[str] = set()  # rollout traces made here, not yet reported by a step
         self._closed = False
         _failure_handlers.acquire(self.failures)
 
@@ -148,9 +149,8 @@ class LangfuseTracing:
 
     def attach(self, model: TrainableModel) -> None:
         """Trace ``model``'s training steps (once per model, however many adapters share it)."""
-        if model not in self._models:
-            self._models.add(model)
-            model.add_step_hook(self.on_step)
+        if id(model) not in self._detach:
+            self._detach[id(model)] = model.add_step_hook(self.on_step)
 
     def session_for(self, model: TrainableModel) -> str:
         return self.session_id or f"{model.project}/{model.name}"
@@ -180,7 +180,11 @@ class LangfuseTracing:
 
     async def on_step(self, model: TrainableModel, groups: list[TrajectoryGroup], metrics: dict[str, Any]) -> None:
         """The step hook: final scores, the step's trace, bounded flush, failure report, best/worst links."""
-        trajectories = [t for g in groups for t in g.trajectories if isinstance(t.metadata.get(TRACE_ID_KEY), str)]
+        # Only the trajectories traced here: another LangfuseTracing (another project) reports its own.
+        trajectories = [t for g in groups for t in g.trajectories if t.metadata.get(TRACE_ID_KEY) in self._trace_ids]
+        if not trajectories:
+            return
+        self._trace_ids.difference_update(str(t.metadata[TRACE_ID_KEY]) for t in trajectories)
         for trajectory in trajectories:
             self.send_scores(trajectory)
         trace_ids = [str(t.metadata[TRACE_ID_KEY]) for t in trajectories]
@@ -217,10 +221,13 @@ class LangfuseTracing:
         worst = min(trajectories, key=lambda t: t.reward)
         wanted = [("step", step_trace_id, None), ("best", best.metadata[TRACE_ID_KEY], best),
                   ("worst", worst.metadata[TRACE_ID_KEY], worst)]
-        done, urls = await _bounded(lambda: [self.client.get_trace_url(trace_id=str(tid)) if tid else None
-                                             for _, tid, _ in wanted], self.flush_timeout)
+        try:
+            done, urls = await _bounded(lambda: [self.client.get_trace_url(trace_id=str(tid)) if tid else None
+                                                 for _, tid, _ in wanted], self.flush_timeout)
+        except Exception as exc:  # the project id is read from the server: it may be down
+            done, urls = False, None
+            self.failures.note(f"could not read the trace URLs (GET /api/public/projects): {exc}")
         if not done or urls is None:
-            self.failures.note("could not read the trace URLs (GET /api/public/projects)")
             urls = [None, None, None]
         lines = []
         for (label, tid, trajectory), url in zip(wanted, urls, strict=True):
@@ -241,7 +248,11 @@ class LangfuseTracing:
         """
         if self._flushing is not None and self._flushing.is_alive():
             return False  # the previous flush is still stuck on the network: do not pile up threads
-        done, _ = await _bounded(self.client.flush, timeout or self.flush_timeout, keep=self._keep_flush)
+        try:
+            done, _ = await _bounded(self.client.flush, timeout or self.flush_timeout, keep=self._keep_flush)
+        except Exception as exc:
+            self.failures.note(f"flush: {exc}")
+            return False
         return done
 
     def _keep_flush(self, thread: threading.Thread) -> None:
@@ -263,8 +274,14 @@ class LangfuseTracing:
         if self._closed:
             return
         self._closed = True
-        await _bounded(self.client.shutdown, timeout or self.flush_timeout)
+        try:
+            await _bounded(self.client.shutdown, timeout or self.flush_timeout)
+        except Exception as exc:
+            self.failures.note(f"shutdown: {exc}")
         _failure_handlers.release(self.failures)
+        for detach in self._detach.values():
+            detach()
+        self._detach.clear()
 
 
 class RolloutTrace:
@@ -362,6 +379,8 @@ class RolloutTrace:
         trajectory.metadata[TRACE_ID_KEY] = self.trace_id
         if self.item is not None:
             trajectory.metadata["langfuse_dataset_item_id"] = getattr(self.item, "id", None)
+        else:  # a training rollout: its step will report it
+            self.tracing._trace_ids.add(self.trace_id)
         return trajectory
 
     def finish(self, trajectory: Trajectory) -> Trajectory:
@@ -649,10 +668,12 @@ async def _bounded(fn: Callable[[], Any], timeout: float, *,
         try:
             result = fn()
         except BaseException as exc:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(exc))
+            loop.call_soon_threadsafe(_settle, future, None, exc)
         else:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
+            loop.call_soon_threadsafe(_settle, future, result, None)
 
+    # Given up on, the call may still end with an error later: retrieve it, so asyncio does not log it as lost.
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
     thread = threading.Thread(target=run, name="art-langfuse", daemon=True)
     thread.start()
     if keep is not None:
@@ -661,6 +682,15 @@ async def _bounded(fn: Callable[[], Any], timeout: float, *,
         return True, await asyncio.wait_for(asyncio.shield(future), timeout)
     except TimeoutError:
         return False, None
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 class _FailureCounter(logging.Handler):

@@ -128,6 +128,14 @@ async def tracing(receiver: Receiver) -> AsyncIterator[LangfuseTracing]:
     await tracing.aclose()
 
 
+def ancestors(span: Any, by_id: dict[str, Any]) -> list[Any]:
+    found = []
+    while span.parent_id in by_id:
+        span = by_id[span.parent_id]
+        found.append(span)
+    return found
+
+
 def llm_spans(spans: list[Any]) -> list[Any]:
     return [s for s in spans if s.attributes.get("langfuse.observation.type") == "generation"
             or s.attributes.get("openinference.span.kind") == "LLM"]
@@ -253,8 +261,9 @@ async def test_agents_group_with_handoff(model: TrainableModel, receiver: Receiv
         by_id = {s.span_id: s for s in spans}
         (root,) = [s for s in spans if s.name == "rollout"]
         assert root.trace_metadata("framework") == "openai-agents"
-        workflow = next(s for s in spans if s.name == "Agent workflow")
-        assert workflow.parent_id == root.span_id and workflow.scope.startswith("openinference")
+        # OpenInference's trace of the run nests under the rollout: workflow, agents, turns, LLM calls, handoff
+        workflow = next(s for s in spans if s.name == "Agent workflow" and s.parent_id == root.span_id)
+        assert workflow.scope.startswith("openinference")
         agents = {s.name: s for s in spans if s.attributes.get("openinference.span.kind") == "AGENT"
                   and s.name in ("Triage", "Spanish")}
         assert set(agents) == {"Triage", "Spanish"}
@@ -263,7 +272,8 @@ async def test_agents_group_with_handoff(model: TrainableModel, receiver: Receiv
         # each agent's LLM call sits under that agent, and carries the gateway's facts
         llms = llm_spans(spans)
         assert len(llms) == 2
-        assert {by_id[s.parent_id].name for s in llms} == {"Triage", "Spanish"}
+        assert sorted(next(a.name for a in ancestors(s, by_id) if a.name in agents) for s in llms) == ["Spanish", "Triage"]
+        assert all(root in ancestors(s, by_id) for s in spans if s is not root)
         assert_calls_carry_the_gateway_facts(step, trajectory, spans)
         assert receiver.scores_for(trace_id)["reward"]["value"] == trajectory.reward
 
@@ -337,7 +347,8 @@ async def test_a_failing_langfuse_never_holds_up_training(model: TrainableModel,
             await model.train([group])
         step = time.monotonic() - started
         # The step waited at most flush_timeout for the flush and again for the URLs, plus the step itself.
-        assert rollouts < 15 and step < 15, (rollouts, step)
+        print(f"{mode}: rollouts {rollouts:.2f} s, step {step:.2f} s")
+        assert rollouts < 10 and step < 2 * tracing.flush_timeout + 6, (rollouts, step)
         reports = [r.getMessage() for r in caplog.records if r.name == "art_plugins.langfuse"]
         assert len(reports) == 1 and "export failure" in reports[0], reports
         count, _ = tracing.failure_report()
