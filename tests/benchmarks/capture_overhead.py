@@ -7,11 +7,17 @@ the gateway's records. Runs alternate between the two sides; each pair's differe
 calls per run, is one overhead sample, so the machine's drift cancels out. Generation is kept to one
 token of a tiny random model so that its noise does not drown the fraction of a millisecond measured.
 
+A third side runs the same graph wrapped with Langfuse on (``trainable(..., langfuse=...)``): the real
+``langfuse`` SDK sends to a local receiver standing in for Langfuse (``tests/langfuse_receiver.py``), so
+its per-call cost is the rollout trace, the LangChain callback handler's observations, the gateway facts
+written onto each LLM observation, and the SDK's background export competing for the same CPU.
+
 Also printed: the cost of the routing decision alone (``Route.rewrite`` on a typical request), in process.
 
     python tests/benchmarks/capture_overhead.py [--runs 30] [--calls 10]
 
-Goal: at most 1 ms median per call. The last line is a JSON object with ``overhead_ms_median``.
+Goals: at most 1 ms median per call for the adapter, at most 2 ms with Langfuse on. The last line is a JSON
+object with ``overhead_ms_median`` and ``overhead_ms_median_langfuse``.
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
@@ -35,6 +43,9 @@ from art_core import LocalBackend, TrainableModel
 from art_core.models import EMBEDDED_MODEL, resolve_base_model
 from art_plugins._routing import Route
 from art_plugins.langgraph import trainable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the Langfuse stand-in
+from langfuse_receiver import Receiver  # noqa: E402
 
 
 class State(TypedDict):
@@ -86,13 +97,23 @@ def rewrite_cost_us(repeats: int = 20_000) -> float:
 
 
 async def main(runs: int, calls: int) -> dict[str, float]:
+    from langfuse import Langfuse
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from art_plugins.langfuse import LangfuseTracing
+
     torch.set_num_threads(1)
+    receiver = Receiver().start()
     with tempfile.TemporaryDirectory() as tmp:
         model = TrainableModel(name="agent", base_model=tiny_model(Path(tmp) / "tiny"))
         async with LocalBackend(path=Path(tmp) / "art", show_progress=False, num_threads=1) as backend:
             await model.register(backend)
             direct = build_graph(model.base_url, calls)
             wrapped = trainable(build_graph("http://127.0.0.1:9/v1", calls), model)
+            client = Langfuse(public_key=f"pk-lf-{uuid.uuid4().hex[:8]}", secret_key="sk-lf-bench",
+                              base_url=receiver.url, tracer_provider=TracerProvider(shutdown_on_exit=False))
+            tracing = LangfuseTracing(client)
+            traced = trainable(build_graph("http://127.0.0.1:9/v1", calls), model, langfuse=tracing)
             state = {"messages": [("system", "You are terse. " * 20), ("user", "Say one word.")]}
 
             async def run_direct() -> float:
@@ -107,19 +128,32 @@ async def main(runs: int, calls: int) -> dict[str, float]:
                 assert len(trajectory.calls) + sum(len(h.calls) for h in trajectory.additional_histories) == calls
                 return elapsed
 
-            for _ in range(3):  # warm up both paths (clients, template cache, allocator)
-                await run_direct()
-                await run_wrapped()
-            direct_ms, wrapped_ms, overhead_ms = [], [], []
+            async def run_traced() -> float:
+                started = time.perf_counter()
+                trajectory = await traced.rollout(state)
+                elapsed = time.perf_counter() - started
+                assert trajectory.metadata["langfuse_trace_id"]
+                return elapsed
+
+            sides = [run_direct, run_wrapped, run_traced]
+            for _ in range(3):  # warm up every path (clients, template cache, allocator, the SDK's threads)
+                for side in sides:
+                    await side()
+            direct_ms, wrapped_ms, overhead_ms, traced_ms, traced_overhead_ms = [], [], [], [], []
             for i in range(runs):
-                # Alternate which side goes first, so neither always follows the other.
-                if i % 2:
-                    d, w = await run_direct(), await run_wrapped()
-                else:
-                    w, d = await run_wrapped(), await run_direct()
+                # Rotate which side goes first, so none always follows another.
+                order = sides[i % 3:] + sides[: i % 3]
+                took = {side: await side() for side in order}
+                d, w, t = took[run_direct], took[run_wrapped], took[run_traced]
                 direct_ms.append(d / calls * 1e3)
                 wrapped_ms.append(w / calls * 1e3)
                 overhead_ms.append((w - d) / calls * 1e3)
+                traced_ms.append(t / calls * 1e3)
+                traced_overhead_ms.append((t - d) / calls * 1e3)
+            await tracing.flush()
+            spans_received = len(receiver.spans)
+            await tracing.aclose()
+    receiver.close()
     figures = {
         "calls_measured": runs * calls,
         "direct_ms_per_call_median": round(statistics.median(direct_ms), 3),
@@ -128,6 +162,10 @@ async def main(runs: int, calls: int) -> dict[str, float]:
         "overhead_ms_p10": round(statistics.quantiles(overhead_ms, n=10)[0], 3),
         "overhead_ms_p90": round(statistics.quantiles(overhead_ms, n=10)[-1], 3),
         "route_rewrite_us": round(rewrite_cost_us(), 1),
+        "langfuse_ms_per_call_median": round(statistics.median(traced_ms), 3),
+        "overhead_ms_median_langfuse": round(statistics.median(traced_overhead_ms), 3),
+        "overhead_ms_p90_langfuse": round(statistics.quantiles(traced_overhead_ms, n=10)[-1], 3),
+        "langfuse_spans_received": spans_received,
     }
     return figures
 
@@ -142,5 +180,8 @@ if __name__ == "__main__":
           f"wrapped {figures['wrapped_ms_per_call_median']} ms/call")
     print(f"adapter overhead per call: median {figures['overhead_ms_median']} ms "
           f"(p10 {figures['overhead_ms_p10']}, p90 {figures['overhead_ms_p90']}); goal <= 1 ms")
+    print(f"with Langfuse on: {figures['langfuse_ms_per_call_median']} ms/call, overhead median "
+          f"{figures['overhead_ms_median_langfuse']} ms (p90 {figures['overhead_ms_p90_langfuse']}); goal <= 2 ms; "
+          f"{figures['langfuse_spans_received']} spans reached the receiver")
     print(f"routing decision alone: {figures['route_rewrite_us']} us per request")
     print(json.dumps(figures))
