@@ -2,6 +2,7 @@
 
 Adapters: ``art_plugins.langgraph`` (``trainable(graph, model)``) and ``art_plugins.openai_agents``
 (``TrainableRunner(model)``). Each is imported on its own, so neither framework is needed for the other.
+``art_plugins.langfuse`` (``langfuse=True`` on either adapter) sends rollouts, rewards and steps to Langfuse.
 This package also re-exports the pieces of ``art_core`` a training loop needs.
 """
 
