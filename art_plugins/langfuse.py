@@ -63,7 +63,12 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from art_core import TrainableModel, Trajectory, TrajectoryGroup
 from art_core.errors import ConfigError
-from art_core.gateway.state import ADAPTER_STEP_HEADER, COMPLETION_TOKENS_HEADER, PROMPT_TOKENS_HEADER, REQUEST_ID_HEADER
+from art_core.gateway.state import (
+    ADAPTER_STEP_HEADER,
+    COMPLETION_TOKENS_HEADER,
+    PROMPT_TOKENS_HEADER,
+    REQUEST_ID_HEADER,
+)
 from art_core.types import TRACE_ID_KEY
 
 from ._rollout import RewardFn, RolloutScope, current_group_id
@@ -117,9 +122,11 @@ class LangfuseTracing:
         if client is None:
             missing = [k for k in ("LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY") if not os.environ.get(k)]
             if missing:
-                raise ConfigError(f"langfuse=True reads the Langfuse keys from the environment, but {' and '.join(missing)} "
-                                  "is not set: set LANGFUSE_PUBLIC_KEY, LANGFUSE_SECRET_KEY (and LANGFUSE_BASE_URL for "
-                                  "a server other than Langfuse Cloud), or pass langfuse=Langfuse(...)")
+                verb = "is" if len(missing) == 1 else "are"
+                raise ConfigError(f"langfuse=True reads the Langfuse keys from the environment, but "
+                                  f"{' and '.join(missing)} {verb} not set: set LANGFUSE_PUBLIC_KEY, "
+                                  "LANGFUSE_SECRET_KEY (and LANGFUSE_BASE_URL for a server other than Langfuse "
+                                  "Cloud), or pass langfuse=Langfuse(...)")
             # Our own provider: Langfuse would otherwise install its provider as the process's global one.
             client = Langfuse(tracer_provider=TracerProvider(shutdown_on_exit=False))
         elif not isinstance(client, Langfuse):
@@ -352,7 +359,8 @@ class RolloutTrace:
             step = headers.get(ADAPTER_STEP_HEADER)
             if step is None:
                 return
-            prompt, completion = int(headers.get(PROMPT_TOKENS_HEADER, 0)), int(headers.get(COMPLETION_TOKENS_HEADER, 0))
+            prompt = int(headers.get(PROMPT_TOKENS_HEADER, 0))
+            completion = int(headers.get(COMPLETION_TOKENS_HEADER, 0))
             facts = {"rollout_id": self.scope.rollout_id, "adapter_step": int(step),
                      "request_id": headers.get(REQUEST_ID_HEADER), "prompt_tokens": prompt,
                      "completion_tokens": completion, "trainable": True}
@@ -575,11 +583,9 @@ async def evaluate(target: Any, dataset: str, *, run_name: str, agent: Any = Non
     result = outcome.get("result")
     if result is None:
         tracing.failures.note(f"dataset run {run_name!r}: Langfuse's experiment runner did not finish in time")
-    ordered = [t for t in trajectories.values()]
-    return DatasetRun(dataset=dataset, run_name=run_name,
-                      experiment_id=getattr(result, "experiment_id", None), url=getattr(result, "experiment_url", None),
-                      trajectories=TrajectoryGroup(ordered, metadata={"langfuse_dataset": dataset, "run_name": run_name}),
-                      failures=failures)
+    group = TrajectoryGroup(trajectories.values(), metadata={"langfuse_dataset": dataset, "run_name": run_name})
+    return DatasetRun(dataset=dataset, run_name=run_name, experiment_id=getattr(result, "experiment_id", None),
+                      url=getattr(result, "experiment_url", None), trajectories=group, failures=failures)
 
 
 def _evaluation_target(target: Any, agent: Any, reward: RewardFn | None, input: Callable[[Any], Any] | None

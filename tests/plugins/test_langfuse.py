@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from agents import Agent, ModelSettings, RunContextWrapper, function_tool
+from agents import Agent, ModelSettings
 from agents.handoffs import Handoff
 from langchain_core.tools import tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
@@ -66,7 +66,9 @@ def spanish_desk() -> Agent[Any]:
 
 
 def script() -> list[Any]:
-    ask = lambda system, question: [{"role": "system", "content": system}, {"role": "user", "content": question}]  # noqa: E731
+    def ask(system: str, question: str) -> list[dict[str, str]]:
+        return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
     transfer = Handoff.default_tool_name(spanish_desk().handoffs[0])  # type: ignore[arg-type]
     schema = {"additionalProperties": False, "type": "object", "properties": {}, "required": []}
     triage_tools = [{"type": "function", "function": {
@@ -272,7 +274,8 @@ async def test_agents_group_with_handoff(model: TrainableModel, receiver: Receiv
         # each agent's LLM call sits under that agent, and carries the gateway's facts
         llms = llm_spans(spans)
         assert len(llms) == 2
-        assert sorted(next(a.name for a in ancestors(s, by_id) if a.name in agents) for s in llms) == ["Spanish", "Triage"]
+        callers = sorted(next(a.name for a in ancestors(s, by_id) if a.name in agents) for s in llms)
+        assert callers == ["Spanish", "Triage"]
         assert all(root in ancestors(s, by_id) for s in spans if s is not root)
         assert_calls_carry_the_gateway_facts(step, trajectory, spans)
         assert receiver.scores_for(trace_id)["reward"]["value"] == trajectory.reward
@@ -356,3 +359,17 @@ async def test_a_failing_langfuse_never_holds_up_training(model: TrainableModel,
         await tracing.aclose(timeout=1.0)
     finally:
         bad.close()
+
+
+async def test_bad_options_are_refused_up_front(model: TrainableModel, monkeypatch: pytest.MonkeyPatch):
+    from art_core.errors import ConfigError
+
+    for key in ("LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(art_langfuse, "_default", None)
+    with pytest.raises(ConfigError, match="LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY are not set"):
+        trainable(react_graph(), model, langfuse=True)
+    with pytest.raises(ConfigError, match="langfuse= takes True, False, a langfuse.Langfuse client"):
+        TrainableRunner(model, langfuse="yes")
+    with pytest.raises(ConfigError, match="flush_timeout is 0"):
+        LangfuseTracing(langfuse_client("http://127.0.0.1:9"), flush_timeout=0)

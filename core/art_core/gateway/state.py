@@ -15,9 +15,9 @@ from .records import RecordStore
 from .settings import GatewaySettings
 from .tokens import Detokenizer
 
-__all__ = ["ADAPTER_STEP_HEADER", "CALLER_HEADER", "COMPLETION_TOKENS_HEADER", "PROMPT_TOKENS_HEADER", "REQUEST_ID_HEADER",
-           "ROLLOUT_ID_PATTERN", "GatewayState", "call_headers", "check_rollout_id", "get_state", "request_scope",
-           "rollout_scope"]
+__all__ = ["ADAPTER_STEP_HEADER", "CALLER_HEADER", "COMPLETION_TOKENS_HEADER", "PROMPT_TOKENS_HEADER",
+           "REQUEST_ID_HEADER", "ROLLOUT_ID_PATTERN", "GatewayState", "call_headers", "check_rollout_id", "get_state",
+           "request_scope", "rollout_scope"]
 
 CALLER_HEADER = "X-Art-Caller"
 """Names the part of an agent that made a call (a graph node, an agent); kept in the call's record."""
