@@ -672,11 +672,13 @@ async def _bounded(fn: Callable[[], Any], timeout: float, *,
 
     def run() -> None:
         try:
-            result = fn()
+            outcome: tuple[Any, BaseException | None] = (fn(), None)
         except BaseException as exc:
-            loop.call_soon_threadsafe(_settle, future, None, exc)
-        else:
-            loop.call_soon_threadsafe(_settle, future, result, None)
+            outcome = (None, exc)
+        try:
+            loop.call_soon_threadsafe(_settle, future, *outcome)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits for this any more
+            pass
 
     # Given up on, the call may still end with an error later: retrieve it, so asyncio does not log it as lost.
     future.add_done_callback(lambda f: f.cancelled() or f.exception())
