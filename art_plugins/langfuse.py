@@ -43,7 +43,7 @@ exports every traced Agents SDK run of the process to Langfuse, as Langfuse's ow
 on, art-plugins' runs are traced (``RunConfig.tracing_disabled`` is False), so the SDK's own exporter sees
 them too (it sends to OpenAI only with an OpenAI key set; ``agents.set_tracing_disabled`` or
 ``set_trace_processors`` control it). A logging handler counts the errors of the ``langfuse`` and
-OpenTelemetry exporter loggers while a ``LangfuseTracing`` is open (``close()`` removes it). The client made
+OpenTelemetry exporter loggers while a ``LangfuseTracing`` is open (``aclose()`` removes it). The client made
 for ``langfuse=True`` gets its own OpenTelemetry ``TracerProvider``: the global one is left alone.
 """
 
@@ -160,6 +160,7 @@ class LangfuseTracing:
             self._detach[id(model)] = model.add_step_hook(self.on_step)
 
     def session_for(self, model: TrainableModel) -> str:
+        """The Langfuse session id of ``model``'s traces: ``session_id``, else ``"<project>/<model name>"``."""
         return self.session_id or f"{model.project}/{model.name}"
 
     def rollout(self, scope: RolloutScope, *, input: Any) -> RolloutTrace:
