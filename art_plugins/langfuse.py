@@ -143,7 +143,7 @@ class LangfuseTracing:
         self.tracer_provider: Any = getattr(resources, "tracer_provider", None) or otel_trace.get_tracer_provider()
         self.failures = _FailureCounter()
         self._reported = 0
-        self._flushing: threading.Thread | None = None
+        self._flushing: asyncio.Future[Any] | None = None
         self._detach: dict[int, Callable[[], None]] = {}  # id(model) -> removes the step hook
         self._trace_ids: set[str] = set()  # rollout traces made here, not yet reported by a step
         self._closed = False
@@ -254,7 +254,7 @@ class LangfuseTracing:
         Returns:
             Whether everything was sent in time; otherwise sending goes on in the background.
         """
-        if self._flushing is not None and self._flushing.is_alive():
+        if self._flushing is not None and not self._flushing.done():
             return False  # the previous flush is still stuck on the network: do not pile up threads
         try:
             done, _ = await _bounded(self.client.flush, timeout or self.flush_timeout, keep=self._keep_flush)
@@ -263,8 +263,8 @@ class LangfuseTracing:
             return False
         return done
 
-    def _keep_flush(self, thread: threading.Thread) -> None:
-        self._flushing = thread
+    def _keep_flush(self, pending: asyncio.Future[Any]) -> None:
+        self._flushing = pending
 
     def _report(self, step: int) -> None:
         count = self.failures.count - self._reported
@@ -662,7 +662,7 @@ def _plain(value: Any) -> Any:
 
 
 async def _bounded(fn: Callable[[], Any], timeout: float, *,
-                   keep: Callable[[threading.Thread], None] | None = None) -> tuple[bool, Any]:
+                   keep: Callable[[asyncio.Future[Any]], None] | None = None) -> tuple[bool, Any]:
     """``fn()`` in a daemon thread, waited for at most ``timeout`` s: ``(finished, result)``.
 
     A daemon thread, not the loop's executor: a call stuck on the network must not hold up the event loop,
@@ -686,7 +686,7 @@ async def _bounded(fn: Callable[[], Any], timeout: float, *,
     thread = threading.Thread(target=run, name="art-langfuse", daemon=True)
     thread.start()
     if keep is not None:
-        keep(thread)
+        keep(future)
     try:
         return True, await asyncio.wait_for(asyncio.shield(future), timeout)
     except TimeoutError:

@@ -247,13 +247,20 @@ async def test_langgraph_group_scored_and_trained(model: TrainableModel, receive
     assert receiver.gzip_bodies > 0  # the SDK's default: gzip-compressed OTLP
 
 
-async def test_agents_group_with_handoff(model: TrainableModel, receiver: Receiver, tracing: LangfuseTracing):
+async def test_agents_group_with_handoff(model: TrainableModel, receiver: Receiver, tracing: LangfuseTracing,
+                                        tmp_path: Path):
     runner = TrainableRunner(model, langfuse=tracing)
     step = model.step
     flip = itertools.cycle([0.0, 1.0])
     group = await runner.group(spanish_desk(), "¿Cuánto es 2 + 2?", n=2, reward=lambda t, output: next(flip))
     assert len(group) == 2 and not group.exceptions
     assert all(len(t.additional_histories) == 1 for t in group)  # the handoff gave the Spanish agent a history
+    judge = functools.partial(ruler_score_group, judge=f"openai/{MODEL}", api_base=model.base_url, api_key="local",
+                              explanation_max_chars=40, cache_dir=tmp_path / "ruler",
+                              completion_kwargs={"temperature": 0, "max_tokens": 200})
+    group = await score_group(group, {"answered": lambda t, output: float(output == "Son 4.")}, ruler=judge)
+    assert group is not None
+    await model.train([group])  # the step sends the final scores
     assert await tracing.flush()
     for trajectory in group:
         trace_id = trajectory.metadata["langfuse_trace_id"]
@@ -278,7 +285,12 @@ async def test_agents_group_with_handoff(model: TrainableModel, receiver: Receiv
         assert callers == ["Spanish", "Triage"]
         assert all(root in ancestors(s, by_id) for s in spans if s is not root)
         assert_calls_carry_the_gateway_facts(step, trajectory, spans)
-        assert receiver.scores_for(trace_id)["reward"]["value"] == trajectory.reward
+        assert receiver.wait_for(lambda r: len(r.scores_for(trace_id)) == 3)
+        scores = receiver.scores_for(trace_id)
+        assert scores["reward"]["value"] == pytest.approx(trajectory.reward)
+        assert scores["answered"]["value"] == trajectory.metrics["answered"] == 1.0
+        assert scores["ruler"]["value"] == pytest.approx(trajectory.metrics["ruler_score"])
+        assert scores["ruler"]["comment"].startswith("RULER (openai/agent")
 
 
 async def test_dataset_runs_before_and_after_training(model: TrainableModel, receiver: Receiver,
@@ -302,6 +314,7 @@ async def test_dataset_runs_before_and_after_training(model: TrainableModel, rec
             group = await agent.group({"messages": [("user", QUESTION)]}, n=2, reward=lambda t, s: float(next(order)))
             await model.train([group])
     assert runs[0].experiment_id != runs[1].experiment_id
+    assert receiver.run_items == []  # the v5 SDK links items through the spans' experiment attributes
     assert await tracing.flush()
     for run in runs:
         for trajectory in run.trajectories:
