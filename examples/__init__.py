@@ -1,0 +1,1 @@
+"""Runnable agents that learn: ``python -m examples.<name> --help`` (see examples/README.md)."""

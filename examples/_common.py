@@ -1,0 +1,319 @@
+"""What every example shares: its flags, its backend, the training loop with live progress, held-out
+evaluation and the learning curve (a PNG and a terminal sparkline).
+
+An example supplies three things and calls ``learn``:
+
+- ``play(task, n, seed) -> TrajectoryGroup``: ``n`` rollouts of its agent on one task, each scored, with
+  ``trajectory.metrics["success"]`` (1.0 when the agent did its job) and, when the agent calls tools,
+  ``trajectory.metrics["valid_tool_calls"]`` (the share of its tool calls that were well formed and allowed);
+- the training tasks and the held-out tasks (fixed seeds);
+- a ``TrainConfig``.
+
+``learn`` measures the held-out success rate, trains ``steps`` GRPO steps printing one line per step
+(reward mean and spread, success, tool-call validity, seconds per phase), measures again, and writes the
+learning curve next to the checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import json
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from rich.console import Console
+
+from art_core import LocalBackend, TrainableModel, TrainConfig, TrajectoryGroup
+from art_core.errors import ConfigError
+from art_core.models import EMBEDDED_MODEL
+
+__all__ = ["ExampleSettings", "LearningResult", "StepStats", "evaluate", "learn", "open_backend", "parse_settings",
+           "plot_curve", "sparkline"]
+
+T = TypeVar("T")
+Play = Callable[[T, int, int], Awaitable[TrajectoryGroup]]
+"""``play(task, n, seed)``: ``n`` scored rollouts of the agent on ``task``."""
+
+
+# -- flags ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ExampleSettings:
+    """What the common flags set; each example picks its own small CPU defaults."""
+
+    base_model: str = EMBEDDED_MODEL
+    """A registered name (``art-core models``) or a local Hugging Face model folder."""
+    steps: int = 10
+    """GRPO steps."""
+    groups: int = 4
+    """Tasks per step (one group each)."""
+    rollouts: int = 8
+    """Rollouts per group: GRPO compares them with each other."""
+    held_out: int = 24
+    """Held-out tasks evaluated before and after training."""
+    eval_rollouts: int = 2
+    """Rollouts per held-out task (the success rate is over held_out x eval_rollouts runs)."""
+    learning_rate: float = 1e-3
+    """High for LoRA, so that a few steps on CPU show an effect."""
+    inference: str = "transformers"
+    """The engine behind the gateway; passed to ``LocalBackend(inference=...)`` where it takes one."""
+    judge: str | None = None
+    """A litellm model string for RULER (``openai/o4-mini``); ``local``: the base model, on this machine."""
+    path: Path = Path(".art")
+    """Where checkpoints, trajectories and the learning curve go."""
+    seed: int = 0
+    """Seeds the tasks and the sampling."""
+
+
+def parse_settings(description: str, defaults: ExampleSettings, argv: Sequence[str] | None = None) -> ExampleSettings:
+    """The common flags (``--base-model``, ``--steps``, ``--groups``, ``--rollouts``, ``--inference``,
+    ``--judge``...), with the example's defaults.
+
+    Args:
+        description: the example's one-line description (``--help``).
+        defaults: the example's defaults.
+        argv: the arguments; default: ``sys.argv[1:]``.
+
+    Returns:
+        The settings.
+    """
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--base-model", default=defaults.base_model,
+                        help="registered model name or local Hugging Face folder (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="GRPO steps (default: %(default)s)")
+    parser.add_argument("--groups", type=int, default=defaults.groups, help="tasks per step (default: %(default)s)")
+    parser.add_argument("--rollouts", type=int, default=defaults.rollouts,
+                        help="rollouts per task (default: %(default)s)")
+    parser.add_argument("--held-out", type=int, default=defaults.held_out,
+                        help="held-out tasks evaluated before and after (default: %(default)s)")
+    parser.add_argument("--eval-rollouts", type=int, default=defaults.eval_rollouts,
+                        help="rollouts per held-out task (default: %(default)s)")
+    parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate,
+                        help="AdamW learning rate of the LoRA adapter (default: %(default)s)")
+    parser.add_argument("--inference", default=defaults.inference,
+                        help="inference engine behind the gateway, e.g. transformers or vllm (default: %(default)s)")
+    parser.add_argument("--judge", default=defaults.judge,
+                        help="RULER judge: a litellm model string, or 'local' for the base model on this machine")
+    parser.add_argument("--path", type=Path, default=defaults.path, help="output folder (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of tasks and sampling")
+    args = parser.parse_args(argv)
+    for flag in ("steps", "groups", "rollouts", "held_out", "eval_rollouts"):
+        if getattr(args, flag) < (0 if flag == "steps" else 1):
+            parser.error(f"--{flag.replace('_', '-')} must be at least {0 if flag == 'steps' else 1}, "
+                         f"got {getattr(args, flag)}")
+    return ExampleSettings(**vars(args))
+
+
+def open_backend(settings: ExampleSettings) -> LocalBackend:
+    """A ``LocalBackend`` at ``settings.path`` with the engine ``settings.inference``.
+
+    Raises:
+        ConfigError: an engine other than ``transformers`` was asked for and this ``LocalBackend`` cannot
+            choose its engine.
+    """
+    if "inference" in inspect.signature(LocalBackend).parameters:
+        return LocalBackend(path=settings.path, show_progress=False, inference=settings.inference)  # type: ignore[call-arg]
+    if settings.inference != "transformers":
+        raise ConfigError(f"--inference {settings.inference!r} is not available: this art-core's LocalBackend "
+                          "serves through the transformers engine only; use --inference transformers")
+    return LocalBackend(path=settings.path, show_progress=False)
+
+
+# -- the loop ------------------------------------------------------------------------------------------
+
+@dataclass
+class StepStats:
+    """One training step, as the progress line shows it."""
+
+    step: int
+    reward_mean: float
+    reward_std: float
+    success: float
+    """Share of this step's rollouts that did the job."""
+    valid_tool_calls: float | None
+    """Share of tool calls that were well formed and allowed (None: the agent made none it could)."""
+    groups_used: int
+    groups: int
+    rollout_seconds: float
+    train_seconds: float
+
+
+@dataclass
+class LearningResult:
+    """What ``learn`` measured; ``to_json()`` for scripts."""
+
+    name: str
+    success_before: float
+    """Held-out success rate of the base model."""
+    success_after: float
+    """Held-out success rate after training."""
+    steps: list[StepStats] = field(default_factory=list)
+    seconds: float = 0.0
+    model_dir: Path | None = None
+    curve_png: Path | None = None
+
+    @property
+    def rewards(self) -> list[float]:
+        """Mean training reward per step."""
+        return [s.reward_mean for s in self.steps]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "success_before": self.success_before, "success_after": self.success_after,
+                "seconds": round(self.seconds, 1), "steps": [asdict(s) for s in self.steps],
+                "model_dir": str(self.model_dir), "curve_png": str(self.curve_png)}
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+async def evaluate(play: Play[T], tasks: Sequence[T], *, rollouts: int, seed: int) -> float:
+    """Held-out success rate: the share of ``len(tasks) x rollouts`` runs whose ``metrics["success"]`` is 1.
+
+    A rollout that failed (listed in ``group.exceptions``) counts as a failure.
+    """
+    groups = await asyncio.gather(*(play(task, rollouts, seed + 7919 * k) for k, task in enumerate(tasks)))
+    successes = sum(t.metrics.get("success", 0.0) >= 1.0 for g in groups for t in g.trajectories)
+    return successes / (len(tasks) * rollouts)
+
+
+async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T], eval_tasks: Sequence[T],
+                settings: ExampleSettings, config: TrainConfig | None = None, console: Console | None = None,
+                title: str = "") -> LearningResult:
+    """Evaluate, train ``settings.steps`` GRPO steps with live progress, evaluate again, plot the curve.
+
+    Args:
+        model: registered with a backend.
+        play: runs ``n`` scored rollouts of the agent on a task (see the module docstring).
+        train_tasks: at least ``settings.steps * settings.groups`` tasks (used in order).
+        eval_tasks: the held-out tasks.
+        settings: steps, groups, rollouts, eval rollouts, learning rate, seed.
+        config: GRPO settings; default: ``TrainConfig(learning_rate=settings.learning_rate)``.
+        console: where to print.
+        title: names the run in the output.
+
+    Returns:
+        The held-out success before and after, and each step's figures.
+
+    Raises:
+        ConfigError: fewer training tasks than steps x groups.
+    """
+    console = console or Console()
+    config = config or TrainConfig(learning_rate=settings.learning_rate)
+    needed = settings.steps * settings.groups
+    if len(train_tasks) < needed:
+        raise ConfigError(f"learn() needs {needed} training tasks ({settings.steps} steps x {settings.groups} "
+                          f"groups), got {len(train_tasks)}")
+    started = time.perf_counter()
+    runs = f"{len(eval_tasks)} tasks x {settings.eval_rollouts}"
+    with console.status(f"held-out evaluation of the base model ({runs} runs)..."):
+        t0 = time.perf_counter()
+        before = await evaluate(play, eval_tasks, rollouts=settings.eval_rollouts, seed=settings.seed)
+    console.print(f"held-out success before training: [bold]{before:.1%}[/] ({runs} runs, "
+                  f"{time.perf_counter() - t0:.0f}s)")
+    result = LearningResult(title or model.name, before, before, model_dir=model.model_dir)
+    for step in range(settings.steps):
+        batch = train_tasks[step * settings.groups:(step + 1) * settings.groups]
+        t0 = time.perf_counter()
+        with console.status(f"step {step + 1}/{settings.steps}: {len(batch)} x {settings.rollouts} rollouts..."):
+            groups = await asyncio.gather(*(
+                play(task, settings.rollouts, settings.seed * 1_000_003 + step * 101 + k)
+                for k, task in enumerate(batch)))
+        t1 = time.perf_counter()
+        groups = [g for g in groups if g.trajectories]
+        trajectories = [t for g in groups for t in g.trajectories]
+        rewards = [t.reward for t in trajectories]
+        valid = [t.metrics["valid_tool_calls"] for t in trajectories if "valid_tool_calls" in t.metrics]
+        with console.status(f"step {step + 1}/{settings.steps}: GRPO step on {len(trajectories)} trajectories..."):
+            metrics = await model.train(groups, config=config) if groups else {"groups_used": 0}
+        stats = StepStats(step=step + 1, reward_mean=_mean(rewards),
+                          reward_std=statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+                          success=_mean([t.metrics.get("success", 0.0) for t in trajectories]),
+                          valid_tool_calls=_mean(valid) if valid else None,
+                          groups_used=int(metrics.get("groups_used", 0)), groups=len(batch),
+                          rollout_seconds=t1 - t0, train_seconds=time.perf_counter() - t1)
+        result.steps.append(stats)
+        valid_text = f"{stats.valid_tool_calls:4.0%}" if stats.valid_tool_calls is not None else "   -"
+        console.print(f"step {stats.step:>2}/{settings.steps}  reward {stats.reward_mean:+.2f} ± {stats.reward_std:.2f}  "
+                      f"success {stats.success:4.0%}  valid tool calls {valid_text}  "
+                      f"groups used {stats.groups_used}/{stats.groups}  "
+                      f"rollouts {stats.rollout_seconds:5.1f}s  train {stats.train_seconds:5.1f}s")
+    with console.status(f"held-out evaluation after {settings.steps} steps ({runs} runs)..."):
+        t0 = time.perf_counter()
+        result.success_after = await evaluate(play, eval_tasks, rollouts=settings.eval_rollouts, seed=settings.seed)
+    console.print(f"held-out success after training: [bold]{result.success_after:.1%}[/] "
+                  f"({time.perf_counter() - t0:.0f}s)")
+    result.seconds = time.perf_counter() - started
+    result.curve_png = plot_curve(result, model.model_dir / "learning_curve.png")
+    (model.model_dir / "learning_result.json").write_text(json.dumps(result.to_json(), indent=1))
+    _summary(result, console)
+    return result
+
+
+# -- output --------------------------------------------------------------------------------------------
+
+_BARS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: Sequence[float]) -> str:
+    """One character per value, ``▁`` (lowest) to ``█`` (highest)."""
+    if not values:
+        return ""
+    low, high = min(values), max(values)
+    span = high - low or 1.0
+    return "".join(_BARS[round((v - low) / span * (len(_BARS) - 1))] for v in values)
+
+
+def plot_curve(result: LearningResult, path: Path) -> Path | None:
+    """Write the learning curve (training reward with its spread, success per step, held-out before/after).
+
+    Returns:
+        The PNG's path, or None when matplotlib is not installed (``pip install matplotlib``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only; never opens a window
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    steps = [s.step for s in result.steps]
+    mean = [s.reward_mean for s in result.steps]
+    std = [s.reward_std for s in result.steps]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, mean, marker="o", label="training reward (mean)")
+    ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2,
+                    label="± 1 std")
+    ax.plot(steps, [s.success for s in result.steps], marker=".", linestyle="--", label="training success")
+    last = steps[-1] if steps else 1
+    ax.scatter([0, last], [result.success_before, result.success_after], color="black", zorder=3,
+               label=f"held-out success {result.success_before:.0%} → {result.success_after:.0%}")
+    ax.set_xlabel("GRPO step")
+    ax.set_title(result.name)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _summary(result: LearningResult, console: Console) -> None:
+    delta = result.success_after - result.success_before
+    console.print(f"\n[bold]{result.name}[/]: held-out success {result.success_before:.1%} -> "
+                  f"{result.success_after:.1%} ({delta * 100:+.1f} points) in {result.seconds / 60:.1f} min")
+    if result.steps:
+        console.print(f"training reward per step  {sparkline(result.rewards)}  "
+                      f"({result.rewards[0]:+.2f} -> {result.rewards[-1]:+.2f})")
+    if result.model_dir is not None:
+        console.print(f"checkpoints:   {result.model_dir / 'checkpoints'}")
+        console.print(f"trajectories:  {result.model_dir / 'trajectories'}  (one JSONL file per step)")
+    if result.curve_png is not None:
+        console.print(f"learning curve: {result.curve_png}")
