@@ -42,3 +42,38 @@ def test_sparkline_spans_lowest_to_highest():
     assert sparkline([0.0, 0.5, 1.0]) == "▁▅█"
     assert sparkline([2.0, 2.0]) == "▁▁"
     assert sparkline([]) == ""
+
+
+async def test_tic_tac_toe(tiny_model_dir, tmp_path):
+    from examples import tic_tac_toe
+
+    result = await tic_tac_toe.run(tiny(tiny_model_dir, tmp_path))
+    check_run(result)
+
+
+async def test_game_2048(tiny_model_dir, tmp_path):
+    from examples import game_2048
+
+    result = await game_2048.run(tiny(tiny_model_dir, tmp_path))
+    check_run(result)
+
+
+def test_2048_slides_and_merges_once():
+    from examples.game_2048.agent import slide
+
+    board = [[2, 2, 2], [4, 0, 4], [0, 0, 2]]
+    assert slide(board, "left") == [[4, 2, 0], [8, 0, 0], [2, 0, 0]]
+    assert slide(board, "right") == [[0, 2, 4], [0, 0, 8], [0, 0, 2]]
+    assert slide(board, "up") == board  # nothing can move up: a wasted move
+    assert slide([[2, 0, 0], [2, 0, 0], [4, 0, 0]], "up") == [[4, 0, 0], [4, 0, 0], [0, 0, 0]]
+    assert slide([[2, 0, 0], [2, 0, 0], [4, 0, 0]], "down") == [[0, 0, 0], [4, 0, 0], [4, 0, 0]]
+
+
+def test_tic_tac_toe_rewards_follow_the_outcome():
+    from art_core import Trajectory
+    from examples.tic_tac_toe.agent import reward, winner
+
+    assert winner(list("XXX.O.O..")) == "X" and winner(list("XO.OX...X")) == "X" and winner(list(".........")) is None
+    scores = {outcome: reward(Trajectory(messages=[{"role": "user", "content": "?"}]), {"outcome": outcome, "turn": 2})
+              for outcome in ("win", "draw", "loss", "invalid")}
+    assert scores == {"win": 1.0, "draw": 0.5, "loss": 0.0, "invalid": -1.0}

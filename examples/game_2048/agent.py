@@ -1,0 +1,145 @@
+"""The agent: a LangGraph loop in which the model plays 2048 on a 3x3 board through a ``move`` tool.
+
+The board and the target are small (3x3, reach 16 within 10 moves) so that a game fits a CPU. The graph
+alternates ``player`` (the chat model sees the board and calls ``move(direction)``) and ``game`` (plain
+Python: slides and merges, adds a 2 (or a 4) in a random empty cell, decides whether the game is over).
+
+Reward: 1 for reaching the target; otherwise the progress log2(largest tile) / log2(target), in [0.2, 0.8];
+an invalid move (no call, a malformed call, an unknown direction) ends the game at -1. A move that changes
+nothing is legal but wasted. Success (held-out): reaching the target.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, TypedDict
+
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+from langgraph.graph import END, START, StateGraph
+
+from art_core import Trajectory
+
+__all__ = ["MODEL_NAME", "SIZE", "TARGET", "build_graph", "make_tasks", "reward", "slide"]
+
+MODEL_NAME = "game-2048"
+SIZE = 3
+TARGET = 16
+MAX_MOVES = 10
+SYSTEM = (f"You play 2048 on a {SIZE}x{SIZE} board. Call move with direction left, right, up or down. Tiles "
+          f"slide that way and equal tiles merge. Reach a {TARGET} tile.")
+_DIRECTIONS = ("left", "right", "up", "down")
+
+
+@tool
+def move(direction: str) -> str:
+    """Slide every tile left, right, up or down."""
+    return f"moved {direction}"  # the game node plays it; this is the schema the model sees
+
+
+class Game(TypedDict, total=False):
+    board: list[list[int]]
+    seed: int
+    moves: int
+    outcome: str
+    """``won``, ``stuck`` (no move left or out of moves) or ``invalid`` once the game is over."""
+    last_reply: Any
+
+
+def _slide_row_left(row: list[int]) -> list[int]:
+    tiles = [t for t in row if t]
+    out: list[int] = []
+    while tiles:
+        if len(tiles) > 1 and tiles[0] == tiles[1]:
+            out.append(tiles[0] * 2)
+            tiles = tiles[2:]
+        else:
+            out.append(tiles.pop(0))
+    return out + [0] * (len(row) - len(out))
+
+
+def slide(board: list[list[int]], direction: str) -> list[list[int]]:
+    """The board after sliding every tile towards ``direction`` (merging equal neighbours once)."""
+    if direction in ("up", "down"):
+        columns = [list(c) for c in zip(*board)]
+        moved = slide(columns, "left" if direction == "up" else "right")
+        return [list(r) for r in zip(*moved)]
+    if direction == "right":
+        return [_slide_row_left(row[::-1])[::-1] for row in board]
+    return [_slide_row_left(row) for row in board]
+
+
+def _spawn(board: list[list[int]], rng: random.Random) -> None:
+    empty = [(r, c) for r in range(SIZE) for c in range(SIZE) if not board[r][c]]
+    if empty:
+        r, c = rng.choice(empty)
+        board[r][c] = 4 if rng.random() < 0.1 else 2
+
+
+def render(board: list[list[int]]) -> str:
+    return "\n".join(" ".join(f"{t or '.':>3}" for t in row) for row in board)
+
+
+def build_graph(*, base_url: str = "http://127.0.0.1:9/v1", temperature: float = 1.0, max_tokens: int = 24) -> Any:
+    """The compiled game loop (``player`` <-> ``game``)."""
+    llm = ChatOpenAI(model=MODEL_NAME, base_url=base_url, api_key="unused", temperature=temperature,
+                     max_tokens=max_tokens).bind_tools([move])
+
+    async def player(game: Game) -> Game:
+        prompt = f"Board:\n{render(game['board'])}\nYour move?"
+        return {"last_reply": await llm.ainvoke([SystemMessage(SYSTEM), HumanMessage(prompt)])}
+
+    def play(game: Game) -> Game:
+        reply = game["last_reply"]
+        calls = reply.tool_calls if isinstance(reply, AIMessage) else []
+        direction = calls[0]["args"].get("direction") if len(calls) == 1 and calls[0]["name"] == "move" else None
+        if direction not in _DIRECTIONS:
+            return {"outcome": "invalid"}
+        moves = game.get("moves", 0) + 1
+        board = slide(game["board"], direction)
+        if board != game["board"]:
+            _spawn(board, random.Random(game.get("seed", 0) * 997 + moves))
+        if max(max(row) for row in board) >= TARGET:
+            return {"board": board, "moves": moves, "outcome": "won"}
+        stuck = all(slide(board, d) == board for d in _DIRECTIONS)
+        if stuck or moves >= MAX_MOVES:
+            return {"board": board, "moves": moves, "outcome": "stuck"}
+        return {"board": board, "moves": moves}
+
+    graph = StateGraph(Game)
+    graph.add_node("player", player)
+    graph.add_node("game", play)
+    graph.add_edge(START, "player")
+    graph.add_edge("player", "game")
+    graph.add_conditional_edges("game", lambda game: END if game.get("outcome") else "player")
+    return graph.compile()
+
+
+def make_tasks(n: int, *, seed: int) -> list[dict[str, Any]]:
+    """``n`` starting boards: two or three small tiles, each game with its own seed for new tiles."""
+    rng = random.Random(seed)
+    tasks = []
+    for _ in range(n):
+        board = [[0] * SIZE for _ in range(SIZE)]
+        for _ in range(rng.choice((2, 3))):
+            _spawn(board, rng)
+        tasks.append({"board": board, "seed": rng.randrange(1 << 30), "moves": 0})
+    return tasks
+
+
+def reward(trajectory: Trajectory, game: Game | None) -> float:
+    """1 at the target; else progress in [0.2, 0.8] by the largest tile; -1 for an invalid move."""
+    game = game or {}
+    outcome = game.get("outcome", "stuck")
+    moves = game.get("moves", 0)
+    calls = moves + (outcome == "invalid")
+    trajectory.metrics.update({"success": float(outcome == "won"), "moves": float(moves),
+                               "valid_tool_calls": moves / calls if calls else 0.0})
+    if outcome == "won":
+        return 1.0
+    if outcome == "invalid":
+        return -1.0
+    largest = max(max(row) for row in game.get("board", [[2]]))
+    return 0.8 * math.log2(max(largest, 2)) / math.log2(TARGET)

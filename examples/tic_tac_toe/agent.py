@@ -1,0 +1,131 @@
+"""The agent: a LangGraph loop in which the model plays tic-tac-toe through a ``make_move`` tool.
+
+The graph alternates two nodes until the game ends:
+
+- ``player``: the chat model sees the board and must call ``make_move(row, col)`` (rows and columns 1-3);
+- ``referee``: plain Python. It plays the model's move (an illegal or missing move ends the game), then a
+  random opponent's, and decides whether the game is over.
+
+Each turn the player sees a fresh prompt (the rules and the current board), so the context stays short;
+the adapter records each turn's context as its own history of the one trajectory.
+
+Reward: win 1, draw 0.5, loss 0; an invalid move (no call, a malformed call, an occupied or off-board cell)
+ends the game at -1. Success (held-out): a win.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, TypedDict
+
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+from langgraph.graph import END, START, StateGraph
+
+from art_core import Trajectory
+
+__all__ = ["MODEL_NAME", "build_graph", "make_tasks", "reward"]
+
+MODEL_NAME = "tic-tac-toe"
+_LINES = [(0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6)]
+SYSTEM = ("You play tic-tac-toe as X against O. Call make_move with the row and column (1 to 3) of an "
+          "empty cell ('.'). Three X in a row wins.")
+
+
+@tool
+def make_move(row: int, col: int) -> str:
+    """Put an X in the empty cell at row (1-3) and column (1-3)."""
+    return f"X at row {row}, column {col}"  # the referee node plays it; this is the schema the model sees
+
+
+class Game(TypedDict, total=False):
+    board: list[str]
+    """Nine cells, row by row: ``X``, ``O`` or ``.``."""
+    seed: int
+    """Seeds the opponent."""
+    turn: int
+    outcome: str
+    """``win``, ``draw``, ``loss`` or ``invalid`` once the game is over."""
+    last_reply: Any
+
+
+def winner(board: list[str]) -> str | None:
+    for a, b, c in _LINES:
+        if board[a] != "." and board[a] == board[b] == board[c]:
+            return board[a]
+    return None
+
+
+def render(board: list[str]) -> str:
+    return "\n".join(" ".join(board[r * 3:(r + 1) * 3]) for r in range(3))
+
+
+def build_graph(*, base_url: str = "http://127.0.0.1:9/v1", temperature: float = 1.0, max_tokens: int = 32) -> Any:
+    """The compiled game loop (``player`` <-> ``referee``)."""
+    llm = ChatOpenAI(model=MODEL_NAME, base_url=base_url, api_key="unused", temperature=temperature,
+                     max_tokens=max_tokens).bind_tools([make_move])
+
+    async def player(game: Game) -> Game:
+        prompt = f"Board (row 1 at the top):\n{render(game['board'])}\nYour move?"
+        return {"last_reply": await llm.ainvoke([SystemMessage(SYSTEM), HumanMessage(prompt)])}
+
+    def referee(game: Game) -> Game:
+        board, reply = list(game["board"]), game["last_reply"]
+        calls = reply.tool_calls if isinstance(reply, AIMessage) else []
+        cell = _cell(calls[0]["args"]) if len(calls) == 1 and calls[0]["name"] == "make_move" else None
+        if cell is None or board[cell] != ".":
+            return {"outcome": "invalid"}
+        board[cell] = "X"
+        turn = game.get("turn", 0) + 1
+        if winner(board) == "X":
+            return {"board": board, "turn": turn, "outcome": "win"}
+        empty = [i for i, c in enumerate(board) if c == "."]
+        if not empty:
+            return {"board": board, "turn": turn, "outcome": "draw"}
+        board[random.Random(game.get("seed", 0) * 31 + turn).choice(empty)] = "O"
+        if winner(board) == "O":
+            return {"board": board, "turn": turn, "outcome": "loss"}
+        if "." not in board:
+            return {"board": board, "turn": turn, "outcome": "draw"}
+        return {"board": board, "turn": turn}
+
+    graph = StateGraph(Game)
+    graph.add_node("player", player)
+    graph.add_node("referee", referee)
+    graph.add_edge(START, "player")
+    graph.add_edge("player", "referee")
+    graph.add_conditional_edges("referee", lambda game: END if game.get("outcome") else "player")
+    return graph.compile()
+
+
+def _cell(args: dict[str, Any]) -> int | None:
+    row, col = args.get("row"), args.get("col")
+    if not isinstance(row, int) or not isinstance(col, int) or not (1 <= row <= 3 and 1 <= col <= 3):
+        return None
+    return (row - 1) * 3 + (col - 1)
+
+
+def make_tasks(n: int, *, seed: int) -> list[dict[str, Any]]:
+    """``n`` games: an empty board, or (every other game) one where O has opened, each with its opponent's seed."""
+    rng = random.Random(seed)
+    games = []
+    for k in range(n):
+        board = ["."] * 9
+        if k % 2:
+            board[rng.randrange(9)] = "O"
+        games.append({"board": board, "seed": rng.randrange(1 << 30), "turn": 0})
+    return games
+
+
+_REWARDS = {"win": 1.0, "draw": 0.5, "loss": 0.0, "invalid": -1.0}
+
+
+def reward(trajectory: Trajectory, game: Game | None) -> float:
+    """Win 1, draw 0.5, loss 0, invalid move -1 (a game cut short by the step limit counts as a loss)."""
+    outcome = (game or {}).get("outcome", "loss")
+    moves = (game or {}).get("turn", 0)
+    calls = moves + (outcome == "invalid")
+    trajectory.metrics.update({"success": float(outcome == "win"), "moves": float(moves),
+                               "valid_tool_calls": moves / calls if calls else 0.0})
+    return _REWARDS[outcome]
