@@ -77,3 +77,10 @@ def test_tic_tac_toe_rewards_follow_the_outcome():
     scores = {outcome: reward(Trajectory(messages=[{"role": "user", "content": "?"}]), {"outcome": outcome, "turn": 2})
               for outcome in ("win", "draw", "loss", "invalid")}
     assert scores == {"win": 1.0, "draw": 0.5, "loss": 0.0, "invalid": -1.0}
+
+
+async def test_agents_sdk_support(tiny_model_dir, tmp_path):
+    from examples import agents_sdk_support
+
+    result = await agents_sdk_support.run(tiny(tiny_model_dir, tmp_path))
+    check_run(result)
