@@ -184,7 +184,7 @@ async def evaluate(play: Play[T], tasks: Sequence[T], *, rollouts: int, seed: in
 
 
 async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T], eval_tasks: Sequence[T],
-                settings: ExampleSettings, config: TrainConfig | None = None, console: Console | None = None,
+                settings: ExampleSettings, measure: Play[T] | None = None, config: TrainConfig | None = None, console: Console | None = None,
                 title: str = "") -> LearningResult:
     """Evaluate, train ``settings.steps`` GRPO steps with live progress, evaluate again, plot the curve.
 
@@ -194,6 +194,8 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
         train_tasks: at least ``settings.steps * settings.groups`` tasks (used in order).
         eval_tasks: the held-out tasks.
         settings: steps, groups, rollouts, eval rollouts, learning rate, seed.
+        measure: runs the held-out rollouts; default: ``play`` (give one that skips a costly reward, such as
+            a judge, when only ``metrics["success"]`` is needed).
         config: GRPO settings; default: ``TrainConfig(learning_rate=settings.learning_rate)``.
         console: where to print.
         title: names the run in the output.
@@ -210,11 +212,12 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
     if len(train_tasks) < needed:
         raise ConfigError(f"learn() needs {needed} training tasks ({settings.steps} steps x {settings.groups} "
                           f"groups), got {len(train_tasks)}")
+    measure = measure or play
     started = time.perf_counter()
     runs = f"{len(eval_tasks)} tasks x {settings.eval_rollouts}"
     with console.status(f"held-out evaluation of the base model ({runs} runs)..."):
         t0 = time.perf_counter()
-        before = await evaluate(play, eval_tasks, rollouts=settings.eval_rollouts, seed=settings.seed)
+        before = await evaluate(measure, eval_tasks, rollouts=settings.eval_rollouts, seed=settings.seed)
     console.print(f"held-out success before training: [bold]{before:.1%}[/] ({runs} runs, "
                   f"{time.perf_counter() - t0:.0f}s)")
     result = LearningResult(title or model.name, before, before, model_dir=model.model_dir)
@@ -246,7 +249,7 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
                       f"rollouts {stats.rollout_seconds:5.1f}s  train {stats.train_seconds:5.1f}s")
     with console.status(f"held-out evaluation after {settings.steps} steps ({runs} runs)..."):
         t0 = time.perf_counter()
-        result.success_after = await evaluate(play, eval_tasks, rollouts=settings.eval_rollouts, seed=settings.seed)
+        result.success_after = await evaluate(measure, eval_tasks, rollouts=settings.eval_rollouts, seed=settings.seed)
     console.print(f"held-out success after training: [bold]{result.success_after:.1%}[/] "
                   f"({time.perf_counter() - t0:.0f}s)")
     result.seconds = time.perf_counter() - started

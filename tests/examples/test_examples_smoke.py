@@ -84,3 +84,12 @@ async def test_agents_sdk_support(tiny_model_dir, tmp_path):
 
     result = await agents_sdk_support.run(tiny(tiny_model_dir, tmp_path))
     check_run(result)
+
+
+async def test_ruler_only(tiny_model_dir, tmp_path):
+    from examples import ruler_only
+
+    result = await ruler_only.run(tiny(tiny_model_dir, tmp_path, judge="local"))
+    check_run(result)
+    trained = (result.model_dir / "trajectories" / "0001.jsonl").read_text()
+    assert "ruler_score" in trained  # the rewards came from the judge
