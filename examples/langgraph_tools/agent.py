@@ -74,19 +74,23 @@ class State(TypedDict):
     messages: Annotated[list[AnyMessage], add_messages]
 
 
-def build_graph(*, base_url: str = "http://127.0.0.1:9/v1", temperature: float = 1.0, max_tokens: int = 40) -> Any:
+def build_graph(*, base_url: str = "http://127.0.0.1:9/v1", temperature: float = 1.0) -> Any:
     """The compiled graph: ``agent`` (chat model with tools) <-> ``tools`` (ToolNode), until a text answer.
 
     Args:
         base_url: the app's own OpenAI endpoint; during rollouts the calls go to the gateway instead.
         temperature: sampling temperature of the agent's model (1.0 explores, for training).
-        max_tokens: most tokens per model call (a call or a one-line answer fits).
     """
-    llm = ChatOpenAI(model=MODEL_NAME, base_url=base_url, api_key="unused", temperature=temperature,
-                     max_tokens=max_tokens).bind_tools(TOOLS)
+    llm = ChatOpenAI(model=MODEL_NAME, base_url=base_url, api_key="unused", temperature=temperature)
+    # The first turn must call a tool ("required": the server constrains the reply to a tool call, ~37
+    # tokens); once a result is in, the model may call again or answer in a short sentence.
+    first_turn = llm.bind_tools(TOOLS, tool_choice="required", max_tokens=44)
+    later_turns = llm.bind_tools(TOOLS, max_tokens=24)
 
     async def agent(state: State) -> dict[str, Any]:
-        return {"messages": [await llm.ainvoke([SystemMessage(SYSTEM), *EXAMPLE, *state["messages"]])]}
+        has_result = any(isinstance(m, ToolMessage) for m in state["messages"])
+        chat = later_turns if has_result else first_turn
+        return {"messages": [await chat.ainvoke([SystemMessage(SYSTEM), *EXAMPLE, *state["messages"]])]}
 
     graph = StateGraph(State)
     graph.add_node("agent", agent)
