@@ -169,6 +169,10 @@ class LearningResult:
                 "model_dir": str(self.model_dir), "curve_png": str(self.curve_png)}
 
 
+MAX_CONCURRENT_ROLLOUTS = 16
+"""Held-out rollouts in flight at once (whole groups; at least one group)."""
+
+
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
@@ -178,7 +182,14 @@ async def evaluate(play: Play[T], tasks: Sequence[T], *, rollouts: int, seed: in
 
     A rollout that failed (listed in ``group.exceptions``) counts as a failure.
     """
-    groups = await asyncio.gather(*(play(task, rollouts, seed + 7919 * k) for k, task in enumerate(tasks)))
+    # A few groups at a time: on a small CPU, one very large batch decodes slower per rollout than two halves.
+    limit = asyncio.Semaphore(max(1, MAX_CONCURRENT_ROLLOUTS // rollouts))
+
+    async def one(k: int, task: T) -> TrajectoryGroup:
+        async with limit:
+            return await play(task, rollouts, seed + 7919 * k)
+
+    groups = await asyncio.gather(*(one(k, task) for k, task in enumerate(tasks)))
     successes = sum(t.metrics.get("success", 0.0) >= 1.0 for g in groups for t in g.trajectories)
     return successes / (len(tasks) * rollouts)
 
@@ -206,7 +217,7 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
     Raises:
         ConfigError: fewer training tasks than steps x groups.
     """
-    console = console or Console()
+    console = console or Console(soft_wrap=True)
     config = config or TrainConfig(learning_rate=settings.learning_rate)
     needed = settings.steps * settings.groups
     if len(train_tasks) < needed:
@@ -244,9 +255,8 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
         result.steps.append(stats)
         valid_text = f"{stats.valid_tool_calls:4.0%}" if stats.valid_tool_calls is not None else "   -"
         console.print(f"step {stats.step:>2}/{settings.steps}  reward {stats.reward_mean:+.2f} ± {stats.reward_std:.2f}  "
-                      f"success {stats.success:4.0%}  valid tool calls {valid_text}  "
-                      f"groups used {stats.groups_used}/{stats.groups}  "
-                      f"rollouts {stats.rollout_seconds:5.1f}s  train {stats.train_seconds:5.1f}s")
+                      f"success {stats.success:4.0%}  valid calls {valid_text}  groups {stats.groups_used}/{stats.groups}"
+                      f"  rollouts {stats.rollout_seconds:3.0f}s  train {stats.train_seconds:3.0f}s", soft_wrap=True)
     with console.status(f"held-out evaluation after {settings.steps} steps ({runs} runs)..."):
         t0 = time.perf_counter()
         result.success_after = await evaluate(measure, eval_tasks, rollouts=settings.eval_rollouts, seed=settings.seed)

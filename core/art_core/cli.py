@@ -21,7 +21,7 @@ def demo(
     base_model: str = typer.Option("smollm2-135m-instruct", help="Local model folder or registered name."),
     threads: int = typer.Option(0, help="torch threads (0: as many as cores)."),
 ) -> None:
-    """Train the embedded SmolLM2-135M to add small numbers; show the held-out success rate before and after."""
+    """The minimal loop, no agent: GRPO on raw samples of "a + b" (`make demo` trains a LangGraph agent instead)."""
     import torch
 
     from .config import TrainConfig

@@ -85,7 +85,7 @@ def build_graph(*, base_url: str = "http://127.0.0.1:9/v1", temperature: float =
     # The first turn must call a tool ("required": the server constrains the reply to a tool call, ~37
     # tokens); once a result is in, the model may call again or answer in a short sentence.
     first_turn = llm.bind_tools(TOOLS, tool_choice="required", max_tokens=44)
-    later_turns = llm.bind_tools(TOOLS, max_tokens=24)
+    later_turns = llm.bind_tools(TOOLS, max_tokens=20)
 
     async def agent(state: State) -> dict[str, Any]:
         has_result = any(isinstance(m, ToolMessage) for m in state["messages"])

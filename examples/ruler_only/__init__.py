@@ -51,7 +51,7 @@ async def judge_endpoint(settings: ExampleSettings) -> AsyncIterator[dict[str, A
 async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None = None,
               name: str | None = None) -> LearningResult:
     """Train the assistant on RULER's scores; held-out success (measured by a checker): the right capital."""
-    console = console or Console()
+    console = console or Console(soft_wrap=True)
     if not settings.judge:
         settings = ExampleSettings(**{**settings.__dict__, "judge": "local"})
     model = TrainableModel(name=name or f"{MODEL_NAME}-{int(time.time())}", project="ruler_only",

@@ -22,7 +22,7 @@ DEFAULTS = ExampleSettings(steps=8, groups=2, rollouts=6, held_out=16, eval_roll
 async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None = None,
               name: str | None = None) -> LearningResult:
     """Train the tic-tac-toe player; held-out success is the share of games won."""
-    console = console or Console()
+    console = console or Console(soft_wrap=True)
     model = TrainableModel(name=name or f"{MODEL_NAME}-{int(time.time())}", project="tic_tac_toe",
                            base_model=settings.base_model)
     async with open_backend(settings) as backend:

@@ -36,7 +36,7 @@ def run_one(name: str, seed: int, out: Path, overrides: dict[str, object]) -> di
 
     module = importlib.import_module(f"examples.{name}")
     settings = dataclasses.replace(module.DEFAULTS, seed=seed, path=out / "runs", **overrides)
-    result = asyncio.run(module.run(settings, console=Console(), name=f"{name}-seed{seed}-{int(__import__('time').time())}"))
+    result = asyncio.run(module.run(settings, console=Console(soft_wrap=True), name=f"{name}-seed{seed}-{int(__import__('time').time())}"))
     row = {"example": name, "seed": seed, **result.to_json(),
            "settings": {k: str(v) for k, v in dataclasses.asdict(settings).items()}}
     (out / f"learning-{name}-seed{seed}.json").write_text(json.dumps(row, indent=1))
