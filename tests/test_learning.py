@@ -18,15 +18,11 @@ from examples import langgraph_tools
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-STEPS = 8
-"""Fewer than the demo's 12, to keep CI short; the demo's effect shows well before its last step."""
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(2400)  # ~6 min on a quiet 2-core machine; much longer when it is shared
 async def test_grpo_steps_raise_the_agents_held_out_success(smollm2_dir, tmp_path):
-    settings = dataclasses.replace(langgraph_tools.DEFAULTS, base_model=str(smollm2_dir), path=tmp_path, steps=STEPS,
-                                   seed=0)
+    # Exactly the demo's settings (what `make demo` runs), on the embedded model, seed 0.
+    settings = dataclasses.replace(langgraph_tools.DEFAULTS, base_model=str(smollm2_dir), path=tmp_path, seed=0)
     result = await langgraph_tools.run(settings)
     (tmp_path / "result.json").write_text(json.dumps(result.to_json()))  # pytest keeps tmp_path for inspection
     print(result.to_json())

@@ -55,9 +55,10 @@ def build_agent(*, max_tokens: int = 64, temperature: float = 1.0) -> Agent[Any]
     technical = Agent(name="Technical", instructions="You handle outages. Look the service up with service_status, "
                       "then answer with department 'technical' and its status in the reply.",
                       tools=[service_status], output_type=SupportAnswer, model=MODEL_NAME, model_settings=settings)
+    # Triage must hand off (a handoff is a tool call: tool_choice="required"); which desk is the model's choice.
     return Agent(name="Triage", instructions="Hand questions about invoices to Billing and questions about "
                  "services that fail to Technical.", handoffs=[billing, technical], model=MODEL_NAME,
-                 model_settings=settings)
+                 model_settings=settings.resolve(ModelSettings(tool_choice="required")))
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The agent: a LangGraph loop in which the model plays 2048 on a 3x3 board through a ``move`` tool.
 
-The board and the target are small (3x3, reach 16 within 10 moves) so that a game fits a CPU. The graph
+Each turn must be a call (``tool_choice="required"``: the reply is a well-formed call, the direction the
+model's choice). The board and the target are small (3x3, reach 16 within 10 moves) so that a game fits a CPU. The graph
 alternates ``player`` (the chat model sees the board and calls ``move(direction)``) and ``game`` (plain
 Python: slides and merges, adds a 2 (or a 4) in a random empty cell, decides whether the game is over).
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, TypedDict
+from typing import Any, Literal, TypedDict
 
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_core.tools import tool
@@ -34,7 +35,7 @@ _DIRECTIONS = ("left", "right", "up", "down")
 
 
 @tool
-def move(direction: str) -> str:
+def move(direction: Literal["left", "right", "up", "down"]) -> str:
     """Slide every tile left, right, up or down."""
     return f"moved {direction}"  # the game node plays it; this is the schema the model sees
 
@@ -85,7 +86,7 @@ def render(board: list[list[int]]) -> str:
 def build_graph(*, base_url: str = "http://127.0.0.1:9/v1", temperature: float = 1.0, max_tokens: int = 24) -> Any:
     """The compiled game loop (``player`` <-> ``game``)."""
     llm = ChatOpenAI(model=MODEL_NAME, base_url=base_url, api_key="unused", temperature=temperature,
-                     max_tokens=max_tokens).bind_tools([move])
+                     max_tokens=max_tokens).bind_tools([move], tool_choice="required")
 
     async def player(game: Game) -> Game:
         prompt = f"Board:\n{render(game['board'])}\nYour move?"

@@ -2,7 +2,8 @@
 
 The graph alternates two nodes until the game ends:
 
-- ``player``: the chat model sees the board and must call ``make_move(row, col)`` (rows and columns 1-3);
+- ``player``: the chat model sees the board and must call ``make_move(row, col)`` (rows and columns 1-3;
+  ``tool_choice="required"``, so the reply is a well-formed call and the cell is the model's choice);
 - ``referee``: plain Python. It plays the model's move (an illegal or missing move ends the game), then a
   random opponent's, and decides whether the game is over.
 
@@ -64,7 +65,7 @@ def render(board: list[str]) -> str:
 def build_graph(*, base_url: str = "http://127.0.0.1:9/v1", temperature: float = 1.0, max_tokens: int = 32) -> Any:
     """The compiled game loop (``player`` <-> ``referee``)."""
     llm = ChatOpenAI(model=MODEL_NAME, base_url=base_url, api_key="unused", temperature=temperature,
-                     max_tokens=max_tokens).bind_tools([make_move])
+                     max_tokens=max_tokens).bind_tools([make_move], tool_choice="required")
 
     async def player(game: Game) -> Game:
         prompt = f"Board (row 1 at the top):\n{render(game['board'])}\nYour move?"

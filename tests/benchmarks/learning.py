@@ -2,7 +2,7 @@
 
     python tests/benchmarks/learning.py                         # every example, its own defaults, seed 0
     python tests/benchmarks/learning.py --only langgraph_tools --seeds 0 1 2
-    python tests/benchmarks/learning.py --only tic_tac_toe --steps 4   # override an example's defaults
+    python tests/benchmarks/learning.py --only tic_tac_toe game_2048 --steps 2 --held-out 8   # override defaults
 
 Each (example, seed) run is the example's own ``run`` (``examples/<name>``): the held-out success rate of
 the base model, ``steps`` GRPO steps, the held-out success rate again. Results accumulate in
@@ -98,19 +98,21 @@ def plot(name: str, runs: list[dict[str, object]], out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=EXAMPLES, help="one example (default: all)")
+    parser.add_argument("--only", choices=EXAMPLES, nargs="+", help="these examples (default: all)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--steps", type=int, help="override the example's default number of steps")
+    for flag in ("steps", "groups", "rollouts", "held-out", "eval-rollouts"):
+        parser.add_argument(f"--{flag}", type=int, help=f"override the example's default {flag.replace('-', ' ')}")
     parser.add_argument("--base-model", help="override the base model (a registered name or a local folder)")
     parser.add_argument("--out", type=Path, default=ROOT / ".art" / "benchmarks")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     overrides: dict[str, object] = {}
-    if args.steps is not None:
-        overrides["steps"] = args.steps
+    for key in ("steps", "groups", "rollouts", "held_out", "eval_rollouts"):
+        if getattr(args, key) is not None:
+            overrides[key] = getattr(args, key)
     if args.base_model is not None:
         overrides["base_model"] = args.base_model
-    for name in [args.only] if args.only else EXAMPLES:
+    for name in args.only or EXAMPLES:
         for seed in args.seeds:
             row = run_one(name, seed, args.out, overrides)
             print(f"{name} seed {seed}: {row['success_before']:.1%} -> {row['success_after']:.1%}", flush=True)
