@@ -9,6 +9,7 @@ scores. It is a weak judge, and this example shows what that gives (see examples
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -53,7 +54,7 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
     """Train the assistant on RULER's scores; held-out success (measured by a checker): the right capital."""
     console = console or Console(soft_wrap=True)
     if not settings.judge:
-        settings = ExampleSettings(**{**settings.__dict__, "judge": "local"})
+        settings = dataclasses.replace(settings, judge="local")
     model = TrainableModel(name=name or f"{MODEL_NAME}-{int(time.time())}", project="ruler_only",
                            base_model=settings.base_model)
     async with open_backend(settings) as backend, judge_endpoint(settings) as judge:
