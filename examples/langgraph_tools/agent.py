@@ -4,8 +4,8 @@ This is ordinary LangGraph code, written as for any OpenAI model: an ``agent`` n
 with three tools bound, a ``ToolNode`` runs the calls, and the graph loops until the model answers in
 text. Nothing in it knows about training; ``trainable(graph, model)`` does the rest.
 
-The job, per question ("What is 47 times 86?"): call ``multiply`` (``add``, ``subtract``) with the two
-numbers, then answer with the number the tool returned. The numbers are two-digit, so the model cannot
+The job, per question ("What is 47 times 86?"): call ``multiply`` (or ``add``) with the two numbers,
+then answer with the number the tool returned. The numbers are two-digit, so the model cannot
 do the sum itself, and the reward checks both halves of the job:
 
 - 1.0: the right tool with the right arguments, and the final answer's last number is the result;
@@ -46,21 +46,16 @@ def add(a: int, b: int) -> int:
 
 
 @tool
-def subtract(a: int, b: int) -> int:
-    """Subtract b from a."""
-    return a - b
-
-
-@tool
 def multiply(a: int, b: int) -> int:
     """Multiply two integers."""
     return a * b
 
 
-TOOLS = [add, subtract, multiply]
-_OPERATIONS = {"plus": "add", "minus": "subtract", "times": "multiply"}
+TOOLS = [add, multiply]
+_OPERATIONS = {"plus": "add", "times": "multiply"}
 
-SYSTEM = "You are a calculator agent. Call one tool, then answer with its result."
+# Short on purpose: every call re-reads the whole prompt, and on a CPU reading it costs more than writing.
+SYSTEM = "Call a tool, then answer with its result."
 # One worked exchange shows the small model the shape of a tool call and of the answer.
 EXAMPLE = [
     HumanMessage("What is 12 plus 30?"),
@@ -105,7 +100,7 @@ def build_graph(*, base_url: str = "http://127.0.0.1:9/v1", temperature: float =
 class CalcTask:
     a: int
     operation: str
-    """``plus``, ``minus`` or ``times``."""
+    """``plus`` or ``times``."""
     b: int
 
     @property
@@ -118,7 +113,7 @@ class CalcTask:
 
     @property
     def answer(self) -> int:
-        return {"plus": self.a + self.b, "minus": self.a - self.b, "times": self.a * self.b}[self.operation]
+        return self.a + self.b if self.operation == "plus" else self.a * self.b
 
     def input(self) -> dict[str, Any]:
         """The graph's input."""
