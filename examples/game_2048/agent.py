@@ -83,7 +83,7 @@ def render(board: list[list[int]]) -> str:
     return "\n".join(" ".join(f"{t or '.':>3}" for t in row) for row in board)
 
 
-def build_graph(*, base_url: str = "http://127.0.0.1:9/v1", temperature: float = 1.0, max_tokens: int = 24) -> Any:
+def build_graph(*, base_url: str = "http://127.0.0.1:9/v1", temperature: float = 1.0, max_tokens: int = 48) -> Any:
     """The compiled game loop (``player`` <-> ``game``)."""
     llm = ChatOpenAI(model=MODEL_NAME, base_url=base_url, api_key="unused", temperature=temperature,
                      max_tokens=max_tokens).bind_tools([move], tool_choice="required")

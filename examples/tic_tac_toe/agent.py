@@ -62,7 +62,7 @@ def render(board: list[str]) -> str:
     return "\n".join(" ".join(board[r * 3:(r + 1) * 3]) for r in range(3))
 
 
-def build_graph(*, base_url: str = "http://127.0.0.1:9/v1", temperature: float = 1.0, max_tokens: int = 32) -> Any:
+def build_graph(*, base_url: str = "http://127.0.0.1:9/v1", temperature: float = 1.0, max_tokens: int = 48) -> Any:
     """The compiled game loop (``player`` <-> ``referee``)."""
     llm = ChatOpenAI(model=MODEL_NAME, base_url=base_url, api_key="unused", temperature=temperature,
                      max_tokens=max_tokens).bind_tools([make_move], tool_choice="required")
