@@ -19,7 +19,7 @@ from examples import langgraph_tools
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 @pytest.mark.slow
-@pytest.mark.timeout(2400)  # ~6 min on a quiet 2-core machine; much longer when it is shared
+@pytest.mark.timeout(2400)  # ~9 min on the shared 2-core machine
 async def test_grpo_steps_raise_the_agents_held_out_success(smollm2_dir, tmp_path):
     # Exactly the demo's settings (what `make demo` runs), on the embedded model, seed 0.
     settings = dataclasses.replace(langgraph_tools.DEFAULTS, base_model=str(smollm2_dir), path=tmp_path, seed=0)
@@ -27,6 +27,7 @@ async def test_grpo_steps_raise_the_agents_held_out_success(smollm2_dir, tmp_pat
     (tmp_path / "result.json").write_text(json.dumps(result.to_json()))  # pytest keeps tmp_path for inspection
     print(result.to_json())
     assert 0.05 <= result.success_before <= 0.45  # the base model does the job sometimes: GRPO has signal
-    assert result.success_after >= result.success_before + 0.15
+    # Measured: 30% -> 100% (seed 0, 20 held-out runs); 20 points is the bar, ~1.5 standard errors.
+    assert result.success_after >= result.success_before + 0.20
     assert sum(result.rewards[-3:]) > sum(result.rewards[:3])  # the training reward rose too
     assert (result.model_dir / "checkpoints").is_dir() and result.curve_png and result.curve_png.is_file()
