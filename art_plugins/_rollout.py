@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 
 class NoTrainableCallsError(ArtError):
-    """A rollout finished without calling the trainable model: there is nothing to train on."""
+    """A rollout left nothing to train on: it never called the trainable model, or no call of it sampled a token."""
 
 
 class RolloutScope:
@@ -45,10 +46,13 @@ class RolloutScope:
         framework: recorded in ``metadata["framework"]``.
         caller: returns the label of the part of the agent making the current call (stored per call).
         rollout_id: default: a new random id.
+        redirect: redirect HTTP calls naming the model (``_routing.routed``) while the scope is open. False
+            when the adapter sends every trainable call through a client of its own (counted on ``route``).
     """
 
     def __init__(self, model: TrainableModel, *, model_names: Iterable[str] | None = None, framework: str,
-                 caller: Callable[[], str | None] | None = None, rollout_id: str | None = None) -> None:
+                 caller: Callable[[], str | None] | None = None, rollout_id: str | None = None,
+                 redirect: bool = True) -> None:
         names = frozenset(model_names) if model_names is not None else frozenset({model.name})
         if not names or not all(isinstance(n, str) and n for n in names):
             raise ConfigError(f"model_names must be non-empty strings, got {sorted(map(repr, names))}")
@@ -58,11 +62,13 @@ class RolloutScope:
         gateway_url = model.rollout_base_url(self.rollout_id)  # validates the id; raises if not registered
         self.route = Route(model_names=names, served_name=model.name, base_url=gateway_url,
                            api_key=model.api_key, caller=caller)
+        self.redirect = redirect
         self._scope: Any = None
 
     def __enter__(self) -> RolloutScope:
-        self._scope = routed(self.route)
-        self._scope.__enter__()
+        if self.redirect:
+            self._scope = routed(self.route)
+            self._scope.__enter__()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -78,9 +84,23 @@ class RolloutScope:
                         tb: TracebackType | None) -> None:
         self.__exit__(exc_type, exc, tb)
 
+    async def settle(self, timeout: float = 10.0) -> None:
+        """Wait (up to ``timeout`` s) until the gateway has recorded every call it was sent.
+
+        A call cut short (the rollout's timeout, a cancelled task) is recorded by the gateway once it notices
+        the client has gone, a moment after the cut: call this before ``trajectory()`` when the run was stopped.
+        """
+        deadline = time.monotonic() + timeout
+        while len(self._recorded_requests()) < self.route.calls_to_record and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
     def trajectory(self, *, final_state: Any = None, stop_reason: str | None = None,
                    metadata: dict[str, Any] | None = None) -> Trajectory:
         """The run as a trajectory: histories from the gateway's records, the final state attached.
+
+        Calls cut short are kept with the tokens sampled before the cut (``finish_reason="cancelled"``);
+        ``metadata["cancelled_calls"]`` counts them, when there are any. A call cut before its first token carries nothing to
+        train on and is left out.
 
         Args:
             final_state: what the run ended with (kept in memory on ``trajectory.final_state``).
@@ -89,22 +109,49 @@ class RolloutScope:
             metadata: more labels.
 
         Raises:
-            NoTrainableCallsError: the run never called the trainable model (the message lists what it called).
+            NoTrainableCallsError: the run never called the trainable model (the message lists what it called),
+                or its calls were sent but none of them sampled a token (the message says what happened to them).
         """
         records = self.model.rollout_records(self.rollout_id)
-        if not records:
+        if not records and not self.route.routed_calls:
             seen = ", ".join(f"{name!r} ({count}x)" for name, count in self.route.models_seen.items()) or "none"
             raise NoTrainableCallsError(
                 f"rollout {self.rollout_id} never called the trainable model (routed names: "
                 f"{sorted(self.route.model_names)}); models called over the OpenAI API: {seen}. Construct the "
                 "agent's chat model with one of the routed names, or pass model_names=[...] naming the one it uses")
+        sampled = [r for r in records if r.completion_token_ids]
+        if not sampled:
+            raise NoTrainableCallsError(self._why_nothing_sampled(records, stop_reason))
         labels: dict[str, Any] = {"framework": self.framework, "rollout_id": self.rollout_id,
                                   "truncated": stop_reason is not None}
         if stop_reason is not None:
             labels["stop_reason"] = stop_reason
-        trajectory = trajectory_from_records(records, metadata={**labels, **(metadata or {})})
+        cancelled = sum(r.finish_reason == "cancelled" for r in records)
+        if cancelled:
+            labels["cancelled_calls"] = cancelled
+        trajectory = trajectory_from_records(sampled, metadata={**labels, **(metadata or {})})
         trajectory.final_state = final_state
         return trajectory
+
+    def _recorded_requests(self) -> set[str]:
+        return {r.request_id for r in self.model.rollout_records(self.rollout_id)}
+
+    def _why_nothing_sampled(self, records: list[Any], stop_reason: str | None) -> str:
+        route = self.route
+        unrecorded = max(route.calls_to_record - len({r.request_id for r in records}), 0)
+        parts = [f"{len(records)} recorded with no token sampled (cut before the first token)"] if records else []
+        parts += [f"{route.refused_calls} refused by the gateway with an error status"] if route.refused_calls else []
+        parts += [f"{route.failed_calls} failed before any answer (connection errors)"] if route.failed_calls else []
+        parts += [f"{unrecorded} cut before the gateway recorded them"] if unrecorded else []
+        if stop_reason == "timeout":
+            advice = ("the rollout's timeout cut them: raise timeout=, or ask for fewer tokens per call "
+                      "(max_tokens) so a call ends in time")
+        elif route.refused_calls:
+            advice = "the gateway's log and the agent's error say why it refused them"
+        else:
+            advice = "the run stopped before any of them sampled a token"
+        return (f"rollout {self.rollout_id} sent {route.routed_calls} call(s) to the trainable model, but none "
+                f"completed with a sampled token: {'; '.join(parts) or 'none recorded'}. Nothing to train on: {advice}")
 
 
 async def score(trajectory: Trajectory, reward: RewardFn | None) -> Trajectory:
