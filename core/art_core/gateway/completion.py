@@ -58,24 +58,27 @@ Endpoint = Literal["chat.completions", "responses"]
 
 
 @dataclass(frozen=True)
-class TextDelta:
-    """More content of choice ``index``."""
-
+class _Delta:
     index: int
-    text: str
+    """The choice it belongs to."""
     logprobs: list[TokenLogprob] | None
-    """Entries of the tokens whose text goes out with this piece (None: the client did not ask)."""
+    """Entries of the tokens whose text goes out with it (None: the client did not ask for logprobs)."""
 
 
 @dataclass(frozen=True)
-class ToolCallDelta:
+class TextDelta(_Delta):
+    """More content of choice ``index``."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallDelta(_Delta):
     """One whole tool call of choice ``index``, sent once its block has parsed."""
 
-    index: int
     call: ToolCallOut
     call_index: int
     """Position among the choice's calls (OpenAI's ``tool_calls[i].index``)."""
-    logprobs: list[TokenLogprob] | None
 
 
 @dataclass(frozen=True)
@@ -268,18 +271,18 @@ class Completion:
 
     def _parsed(self, choice: _Choice, piece: str) -> list[Event]:
         if choice.parser is None:
-            return [TextDelta(choice.index, piece, self._flush(choice))] if piece else []
+            return [TextDelta(choice.index, self._flush(choice), piece)] if piece else []
         return self._converted(choice, choice.parser.feed(piece))
 
     def _converted(self, choice: _Choice, events: list[Any]) -> list[Event]:
         out: list[Event] = []
         for event in events:
             if isinstance(event, ContentDelta):
-                out.append(TextDelta(choice.index, event.text, self._flush(choice)))
+                out.append(TextDelta(choice.index, self._flush(choice), event.text))
             else:
                 choice.call_ids.append(event.id)
                 call = ToolCallOut(id=event.id, function=FunctionCallOut(name=event.name, arguments=event.arguments))
-                out.append(ToolCallDelta(choice.index, call, event.index, self._flush(choice)))
+                out.append(ToolCallDelta(choice.index, self._flush(choice), call, event.index))
         return out
 
     def _flush(self, choice: _Choice) -> list[TokenLogprob] | None:

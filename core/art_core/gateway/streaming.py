@@ -47,15 +47,7 @@ async def until_done(request: Request, work: Awaitable[T]) -> T:
     Raises:
         ClientGone: the client went away first (``work`` was cancelled and has finished cleaning up).
     """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request.receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+    task = await _run_while_connected(request.receive, work)
     if task.cancelled():
         raise ClientGone()
     return task.result()
@@ -109,17 +101,27 @@ class EventStream(StreamingResponse):
                     error_body(exc.message, type=exc.type, param=exc.param, code=exc.code))})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-        task = asyncio.ensure_future(pump())
-        watcher = asyncio.ensure_future(_disconnected(receive))
-        try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not task.done():
-                task.cancel()
-            for outcome in await asyncio.gather(task, return_exceptions=True):
-                if isinstance(outcome, Exception):  # the client is gone or the route failed: nothing to send to
-                    logger.warning("stream stopped: %s: %s", type(outcome).__name__, outcome)
+        task = await _run_while_connected(receive, pump())
+        if not task.cancelled() and task.exception() is not None:  # the client is gone, or the route failed
+            logger.warning("stream stopped: %s: %s", type(task.exception()).__name__, task.exception())
+
+
+async def _run_while_connected(receive: Receive, work: Awaitable[T]) -> asyncio.Future[T]:
+    """Run ``work`` until it ends, or until the client disconnects (then it is cancelled and waited for).
+
+    Returns:
+        Its finished task: cancelled when the client left first.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return task
 
 
 async def _disconnected(receive: Receive) -> None:
