@@ -8,6 +8,9 @@ for a long one, and a request that arrives mid-generation starts at the next ste
 the whole batch. Each row keeps its own temperature, top-p, seed, stop strings and token limit, so
 requests with different settings share a batch (``model.generate`` takes one setting for the whole batch).
 
+``stream`` hands each request its tokens at the step that sampled them (one call into the event loop per
+request per step); a reader that stops abandons the request, and its rows leave the batch at the next step.
+
 What it reports is what the trainer needs: completion ids up to and including the stop token, and the
 log-probability of each sampled token under the model's raw distribution (before temperature and top-p),
 which is what the trainer's forward pass computes.
