@@ -9,6 +9,7 @@ step then trains on those trajectories from their records alone (no re-rendering
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,9 +24,9 @@ from langchain_openai import ChatOpenAI
 from langgraph.prebuilt import create_react_agent
 from transformers import AutoModelForCausalLM
 
-from art_core import LocalBackend, TrainableModel, Trajectory, TrajectoryGroup
+from art_core import CallRecord, LocalBackend, TrainableModel, Trajectory, TrajectoryGroup
 from art_plugins import _routing
-from art_plugins.langgraph import trainable
+from art_plugins.langgraph import NoTrainableCallsError, trainable
 from art_plugins.openai_agents import TrainableRunner
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"),
@@ -118,3 +119,20 @@ async def test_a_grpo_step_trains_on_the_cut_trajectories(model: TrainableModel)
     assert metrics["samples_rerendered"] == 0.0  # token-exact from the records: nothing re-rendered
     assert metrics["trained_tokens"] == sum(len(t.calls[0].completion_token_ids) for t in CUT)
     assert model.step == 1
+
+
+async def test_a_rollout_cut_before_its_first_token_says_why_there_is_nothing_to_train(model: TrainableModel):
+    # A training step holds the gateway: the rollout's call waits, and its timeout cuts it before any token.
+    prompt, completion = list(range(100, 500)), list(range(2000, 2400))
+    busy = TrajectoryGroup(Trajectory(calls=[CallRecord(prompt_token_ids=prompt, completion_token_ids=completion)],
+                                      reward=float(i % 2)) for i in range(8))
+    training = asyncio.create_task(model.train([busy]))
+    await asyncio.sleep(0.3)  # the step has paused the gateway
+    llm = ChatOpenAI(model=NAME, base_url=f"http://127.0.0.1:9/{uuid.uuid4().hex[:8]}/v1", api_key="unused")
+    graph = create_react_agent(llm, [add], prompt="Solve it with the tools.")
+    with pytest.raises(NoTrainableCallsError, match=r"sent 1 call\(s\) to the trainable model, but none completed "
+                                                    r"with a sampled token: 1 recorded with no token sampled.*"
+                                                    r"raise timeout="):
+        await trainable(graph, model, timeout=0.5).rollout({"messages": [("user", "What is 2 + 2?")]})
+    assert not training.done(), "the training step ended before the cut: make it longer"
+    await training
