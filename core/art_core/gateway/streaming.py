@@ -72,7 +72,8 @@ async def open_stream(request: Request, events: AsyncIterator[E],
             async for event in events:
                 yield event
 
-    return EventStream(render(all_events()))
+    source = all_events()
+    return EventStream(render(source), source=source)
 
 
 class EventStream(StreamingResponse):
@@ -83,8 +84,11 @@ class EventStream(StreamingResponse):
     An ``APIError`` raised mid-stream is sent as OpenAI's ``{"error": {...}}`` event, then the stream ends.
     """
 
-    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+    def __init__(self, chunks: AsyncIterator[bytes], *, source: AsyncIterator[Any] | None = None) -> None:
+        """``chunks``: the SSE body; ``source``: what it is rendered from, closed with it (a closed generator
+        does not close the one it was reading, and the source's clean-up records a cut completion)."""
         super().__init__(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.source = source
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -99,6 +103,9 @@ class EventStream(StreamingResponse):
                 logger.warning("stream ended by an error: %s", exc.message)
                 await send({"type": "http.response.body", "more_body": True, "body": sse(
                     error_body(exc.message, type=exc.type, param=exc.param, code=exc.code))})
+            finally:
+                if self.source is not None:
+                    await self.source.aclose()  # type: ignore[attr-defined]
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         task = await _run_while_connected(receive, pump())
