@@ -236,8 +236,9 @@ class Completion:
             unfinished = [c.index for c in choices if c.finish is None]
             if unfinished:
                 raise _contract_broken(f"ended without finishing completion(s) {unfinished}")
-            answers = [self._record(c, waited) for c in choices]
+            # The held-back text and calls first (a call's id is given when it is streamed), then the records.
             tails = [self._tail(c) if live else [] for c in choices]
+            answers = [self._record(c, waited) for c in choices]
             for choice, answer, tail in zip(choices, answers, tails, strict=True):
                 for event in tail:
                     yield event
