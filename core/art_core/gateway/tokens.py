@@ -7,7 +7,7 @@ the ids it records are exactly the ids the engine ran.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 from ..messages import template_messages
