@@ -147,12 +147,19 @@ async def test_a_client_that_leaves_mid_stream_frees_its_row_and_its_call_is_rec
     record.to_call_record()  # trainable as it is
 
 
-async def test_a_non_streaming_client_that_gives_up_is_recorded_cancelled(gateway: Gateway):
+async def test_a_non_streaming_call_whose_task_is_cancelled_is_recorded_cancelled(gateway: Gateway):
     body = {"model": "agent", "messages": LONG, "max_tokens": 400, "temperature": 0}
-    async with httpx.AsyncClient(timeout=1.0) as http:
-        with pytest.raises(httpx.ReadTimeout):
-            await http.post(f"{gateway.rollout_base_url('live-timeout')}/chat/completions", json=body)
+    async with httpx.AsyncClient(timeout=60) as http:
+        start = steps(gateway)
+        call = asyncio.create_task(http.post(f"{gateway.rollout_base_url('live-cancel')}/chat/completions", json=body))
+        for _ in range(6000):  # until a few tokens are in, by the engine's count (at most a minute)
+            if steps(gateway) - start >= 3:
+                break
+            await asyncio.sleep(0.01)
+        call.cancel()  # as a rollout's timeout does: the connection goes with the task
+        with pytest.raises(asyncio.CancelledError):
+            await call
     assert await rows_freed(gateway)
-    (record,) = gateway.records.for_rollout("live-timeout")
-    assert record.finish_reason == "cancelled" and 0 < len(record.completion_token_ids) < 400
+    (record,) = gateway.records.for_rollout("live-cancel")
+    assert record.finish_reason == "cancelled" and 3 <= len(record.completion_token_ids) < 400
     await assert_greedy_prefix(gateway, record)

@@ -1,7 +1,7 @@
 """Rollouts cut mid-call by the adapters' ``timeout=``: the calls are kept, token-exact, and trained on.
 
 The trainable model is the tiny random Qwen2: asked anything, it rambles (greedily) to the gateway's default
-1024 tokens, about five seconds on this machine, so a one-second timeout always lands inside the call, as it
+1024 tokens, about five seconds on this machine, so a 1.5-second timeout lands inside the call, as it
 does for a new user whose agent rambles on a CPU. Each run must come back as a truncated trajectory
 (``stop_reason="timeout"``) holding the call it cut, with exactly the tokens sampled before the cut; a GRPO
 step then trains on those trajectories from their records alone (no re-rendering).
@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 NAME = "math-agent"
-TIMEOUT = 1.0
+TIMEOUT = 1.5
 CUT: list[Trajectory] = []  # every test's truncated trajectory, trained on by the last test
 
 
@@ -94,7 +94,7 @@ async def test_an_agents_sdk_run_cut_mid_call_keeps_the_call(model: TrainableMod
     result, trajectory = await TrainableRunner(model, timeout=TIMEOUT).run(solver(), "What is 2 + 2?")
     assert result is None
     assert_cut_call_is_token_exact(trajectory, reference)
-    assert trajectory.calls[0].caller == "Solver" and "timeout=1.0 s" in trajectory.metadata["error"]
+    assert trajectory.calls[0].caller == "Solver" and "timeout=1.5 s" in trajectory.metadata["error"]
     CUT.append(trajectory)
 
 
