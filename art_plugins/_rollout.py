@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from contextvars import ContextVar
@@ -42,7 +43,7 @@ def current_group_id() -> str | None:
 
 
 class NoTrainableCallsError(ArtError):
-    """A rollout finished without calling the trainable model: there is nothing to train on."""
+    """A rollout left nothing to train on: it never called the trainable model, or no call of it sampled a token."""
 
 
 class RolloutScope:
@@ -55,10 +56,13 @@ class RolloutScope:
         framework: recorded in ``metadata["framework"]``.
         caller: returns the label of the part of the agent making the current call (stored per call).
         rollout_id: default: a new random id.
+        redirect: redirect HTTP calls naming the model (``_routing.routed``) while the scope is open. False
+            when the adapter sends every trainable call through a client of its own (counted on ``route``).
     """
 
     def __init__(self, model: TrainableModel, *, model_names: Iterable[str] | None = None, framework: str,
-                 caller: Callable[[], str | None] | None = None, rollout_id: str | None = None) -> None:
+                 caller: Callable[[], str | None] | None = None, rollout_id: str | None = None,
+                 redirect: bool = True) -> None:
         names = frozenset(model_names) if model_names is not None else frozenset({model.name})
         if not names or not all(isinstance(n, str) and n for n in names):
             raise ConfigError(f"model_names must be non-empty strings, got {sorted(map(repr, names))}")
@@ -68,6 +72,7 @@ class RolloutScope:
         gateway_url = model.rollout_base_url(self.rollout_id)  # validates the id; raises if not registered
         self.route = Route(model_names=names, served_name=model.name, base_url=gateway_url,
                            api_key=model.api_key, caller=caller)
+        self.redirect = redirect
         self._scope: Any = None
         # Chosen now, not when the trajectory is built, so that a trace can be named after it while the run goes.
         self.trajectory_id = uuid.uuid4().hex[:12]
@@ -75,8 +80,9 @@ class RolloutScope:
         """The rollout's Langfuse trace (``art_plugins.langfuse.RolloutTrace``), opened and closed with the scope."""
 
     def __enter__(self) -> RolloutScope:
-        self._scope = routed(self.route)
-        self._scope.__enter__()
+        if self.redirect:
+            self._scope = routed(self.route)
+            self._scope.__enter__()
         if self.trace is not None:
             self.trace.__enter__()
         return self
@@ -96,9 +102,23 @@ class RolloutScope:
                         tb: TracebackType | None) -> None:
         self.__exit__(exc_type, exc, tb)
 
+    async def settle(self, timeout: float = 10.0) -> None:
+        """Wait (up to ``timeout`` s) until the gateway has recorded every call it was sent.
+
+        A call cut short (the rollout's timeout, a cancelled task) is recorded by the gateway once it notices
+        the client has gone, a moment after the cut: call this before ``trajectory()`` when the run was stopped.
+        """
+        deadline = time.monotonic() + timeout
+        while len(self._recorded_requests()) < self.route.calls_to_record and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
     def trajectory(self, *, final_state: Any = None, stop_reason: str | None = None,
                    metadata: dict[str, Any] | None = None) -> Trajectory:
         """The run as a trajectory: histories from the gateway's records, the final state attached.
+
+        Calls cut short are kept with the tokens sampled before the cut (``finish_reason="cancelled"``);
+        ``metadata["cancelled_calls"]`` counts them, when there are any. A call cut before its first token carries nothing to
+        train on and is left out.
 
         Args:
             final_state: what the run ended with (kept in memory on ``trajectory.final_state``).
@@ -107,22 +127,49 @@ class RolloutScope:
             metadata: more labels.
 
         Raises:
-            NoTrainableCallsError: the run never called the trainable model (the message lists what it called).
+            NoTrainableCallsError: the run never called the trainable model (the message lists what it called),
+                or its calls were sent but none of them sampled a token (the message says what happened to them).
         """
         records = self.model.rollout_records(self.rollout_id)
-        if not records:
+        if not records and not self.route.routed_calls:
             seen = ", ".join(f"{name!r} ({count}x)" for name, count in self.route.models_seen.items()) or "none"
             raise NoTrainableCallsError(
                 f"rollout {self.rollout_id} never called the trainable model (routed names: "
                 f"{sorted(self.route.model_names)}); models called over the OpenAI API: {seen}. Construct the "
                 "agent's chat model with one of the routed names, or pass model_names=[...] naming the one it uses")
+        sampled = [r for r in records if r.completion_token_ids]
+        if not sampled:
+            raise NoTrainableCallsError(self._why_nothing_sampled(records, stop_reason))
         labels: dict[str, Any] = {"framework": self.framework, "rollout_id": self.rollout_id,
                                   "truncated": stop_reason is not None}
         if stop_reason is not None:
             labels["stop_reason"] = stop_reason
-        trajectory = trajectory_from_records(records, id=self.trajectory_id, metadata={**labels, **(metadata or {})})
+        cancelled = sum(r.finish_reason == "cancelled" for r in records)
+        if cancelled:
+            labels["cancelled_calls"] = cancelled
+        trajectory = trajectory_from_records(sampled, id=self.trajectory_id, metadata={**labels, **(metadata or {})})
         trajectory.final_state = final_state
         return self.trace.link(trajectory) if self.trace is not None else trajectory
+
+    def _recorded_requests(self) -> set[str]:
+        return {r.request_id for r in self.model.rollout_records(self.rollout_id)}
+
+    def _why_nothing_sampled(self, records: list[Any], stop_reason: str | None) -> str:
+        route = self.route
+        unrecorded = max(route.calls_to_record - len({r.request_id for r in records}), 0)
+        parts = [f"{len(records)} recorded with no token sampled (cut before the first token)"] if records else []
+        parts += [f"{route.refused_calls} refused by the gateway with an error status"] if route.refused_calls else []
+        parts += [f"{route.failed_calls} failed before any answer (connection errors)"] if route.failed_calls else []
+        parts += [f"{unrecorded} cut before the gateway recorded them"] if unrecorded else []
+        if stop_reason == "timeout":
+            advice = ("the rollout's timeout cut them: raise timeout=, or ask for fewer tokens per call "
+                      "(max_tokens) so a call ends in time")
+        elif route.refused_calls:
+            advice = "the gateway's log and the agent's error say why it refused them"
+        else:
+            advice = "the run stopped before any of them sampled a token"
+        return (f"rollout {self.rollout_id} sent {route.routed_calls} call(s) to the trainable model, but none "
+                f"completed with a sampled token: {'; '.join(parts) or 'none recorded'}. Nothing to train on: {advice}")
 
     def scored(self, trajectory: Trajectory) -> Trajectory:
         """The scored trajectory, its scores sent to Langfuse when the rollout is traced."""

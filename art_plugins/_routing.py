@@ -26,7 +26,7 @@ from urllib.parse import quote
 
 from art_core.gateway.state import CALLER_HEADER
 
-__all__ = ["Route", "current_route", "routed", "wrappers_installed"]
+__all__ = ["CountingTransport", "Route", "current_route", "routed", "wrappers_installed"]
 
 _ENDPOINTS = ("/chat/completions", "/responses")
 # Headers that belong to the original destination or are recomputed for the new body.
@@ -56,6 +56,26 @@ class Route:
     models_seen: dict[str, int] = field(default_factory=dict)
     """Every model named in a JSON POST made in the scope (any provider), with its number of calls."""
     routed_calls: int = 0
+    """Calls sent to the gateway for the trainable model (redirected, or sent by the adapter's own client)."""
+    refused_calls: int = 0
+    """Of those, calls the gateway answered with an error status (it records none of them)."""
+    failed_calls: int = 0
+    """Of those, calls that failed before any answer (connection errors): the gateway may never have seen them."""
+
+    @property
+    def calls_to_record(self) -> int:
+        """Calls the gateway should record: sent, and neither refused nor failed (finished or cut off)."""
+        return self.routed_calls - self.refused_calls - self.failed_calls
+
+    def caller_label(self) -> str | None:
+        """The ``X-Art-Caller`` value for the call being made now (the part of the agent making it), if any."""
+        label = self.caller() if self.caller is not None else None
+        return quote(label, safe=" !#$&'()*+,./:;=?@[]^_`{|}~-") if label else None
+
+    def count_answer(self, status_code: int) -> None:
+        """Note the status the gateway answered a routed call with."""
+        if status_code >= 400:
+            self.refused_calls += 1
 
     def rewrite(self, request: Any) -> Any:
         """The request to send instead of ``request`` (the same object when it is not for the trainable model)."""
@@ -82,9 +102,9 @@ class Route:
         headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() not in _DROPPED_HEADERS]
         if self.api_key is not None:
             headers.append(("authorization", f"Bearer {self.api_key}"))
-        label = self.caller() if self.caller is not None else None
+        label = self.caller_label()
         if label:
-            headers.append((CALLER_HEADER, quote(label, safe=" !#$&'()*+,./:;=?@[]^_`{|}~-")))
+            headers.append((CALLER_HEADER, label))
         return type(request)(request.method, self.base_url + endpoint, headers=headers, content=content,
                              extensions=request.extensions)
 
@@ -144,28 +164,80 @@ def _client_classes() -> list[tuple[type, bool]]:
 
 
 def _wrap(original: Callable[..., Any], is_async: bool) -> Callable[..., Any]:
+    # A cancelled call (the rollout's timeout) is neither refused nor failed: the gateway records it as cut.
     if is_async:
         async def send_async(self: Any, request: Any, **kwargs: Any) -> Any:
             route = _current.get()
-            if route is None:
+            sent = route.rewrite(request) if route is not None else request
+            if sent is request:
                 return await original(self, request, **kwargs)
-            sent = route.rewrite(request)
-            response = await original(self, sent, **kwargs)
-            if sent is not request and route.on_response is not None:
+            assert route is not None
+            try:
+                response = await original(self, sent, **kwargs)
+            except Exception:
+                route.failed_calls += 1
+                raise
+            route.count_answer(response.status_code)
+            if route.on_response is not None:
                 route.on_response(response)
             return response
         return send_async
 
     def send(self: Any, request: Any, **kwargs: Any) -> Any:
         route = _current.get()
-        if route is None:
+        sent = route.rewrite(request) if route is not None else request
+        if sent is request:
             return original(self, request, **kwargs)
-        sent = route.rewrite(request)
-        response = original(self, sent, **kwargs)
-        if sent is not request and route.on_response is not None:
+        assert route is not None
+        try:
+            response = original(self, sent, **kwargs)
+        except Exception:
+            route.failed_calls += 1
+            raise
+        route.count_answer(response.status_code)
+        if route.on_response is not None:
             route.on_response(response)
         return response
     return send
+
+
+class CountingTransport:
+    """An async httpx transport that counts its requests on a ``Route`` and labels them with the caller, for a
+    client the adapter built itself (which needs no redirect): the count lets a rollout that was cut short
+    wait for the records of its calls.
+
+    Args:
+        inner: the transport that sends (e.g. ``httpx2.AsyncHTTPTransport()``).
+        route: where to count.
+    """
+
+    def __init__(self, inner: Any, route: Route) -> None:
+        self._inner, self._route = inner, route
+
+    async def handle_async_request(self, request: Any) -> Any:
+        label = self._route.caller_label()
+        if label:
+            request.headers[CALLER_HEADER] = label
+        self._route.routed_calls += 1
+        try:
+            response = await self._inner.handle_async_request(request)
+        except Exception:
+            self._route.failed_calls += 1
+            raise
+        self._route.count_answer(response.status_code)
+        if self._route.on_response is not None:
+            self._route.on_response(response)
+        return response
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    async def __aenter__(self) -> CountingTransport:
+        await self._inner.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self._inner.__aexit__(*exc_info)
 
 
 def _install() -> None:

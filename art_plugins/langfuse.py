@@ -361,11 +361,14 @@ class RolloutTrace:
             if step is None:
                 return
             prompt = int(headers.get(PROMPT_TOKENS_HEADER, 0))
-            completion = int(headers.get(COMPLETION_TOKENS_HEADER, 0))
+            # A live stream's headers leave before its tokens are sampled: no completion count then.
+            completion = headers.get(COMPLETION_TOKENS_HEADER)
             facts = {"rollout_id": self.scope.rollout_id, "adapter_step": int(step),
-                     "request_id": headers.get(REQUEST_ID_HEADER), "prompt_tokens": prompt,
-                     "completion_tokens": completion, "trainable": True}
-            usage = {"input": prompt, "output": completion, "total": prompt + completion}
+                     "request_id": headers.get(REQUEST_ID_HEADER), "prompt_tokens": prompt, "trainable": True}
+            usage = {"input": prompt}
+            if completion is not None:
+                facts["completion_tokens"] = int(completion)
+                usage.update(output=int(completion), total=prompt + int(completion))
             span = otel_trace.get_current_span()
             attributes = getattr(span, "attributes", None) or {}
             if span.is_recording() and any(attributes.get(k) == v for k, v in _LLM_SPAN_MARKS):

@@ -56,7 +56,8 @@ class TrainableGraph:
         model: the registered ``TrainableModel``.
         model_names: the model names the graph's chat models use for the trainable model. Default: ``model.name``.
         recursion_limit: LangGraph's step limit per run; a run that reaches it is kept, marked truncated.
-        timeout: seconds per run; a run that exceeds it is cancelled and kept, marked truncated.
+        timeout: seconds per run; a run that exceeds it is cancelled and kept, marked truncated
+            (``stop_reason="timeout"``), with the call it cut recorded up to the last token sampled.
         langfuse: True (keys from ``LANGFUSE_*``), a ``langfuse.Langfuse`` client or an
             ``art_plugins.langfuse.LangfuseTracing``: each rollout becomes a Langfuse trace, rewards scores,
             steps traces (see ``art_plugins.langfuse``). Default: off, nothing imported or sent.
@@ -98,7 +99,8 @@ class TrainableGraph:
             rollout_id: default: a new random id.
 
         Raises:
-            NoTrainableCallsError: the graph never called the trainable model (the message lists what it called).
+            NoTrainableCallsError: the graph never called the trainable model (the message lists what it called),
+                or no call of it sampled a token before the run stopped (the message says why).
             Exception: whatever the graph raises, except its step limit and the timeout, which end the run
                 early and mark the trajectory ``metadata["truncated"]``.
         """
@@ -125,6 +127,7 @@ class TrainableGraph:
                 if not deadline.expired():
                     raise  # the graph's own timeout (a tool's, a client's), not the rollout's limit
                 stop_reason = "timeout"
+        await scope.settle()  # a call the timeout cut is recorded (tokens so far) once the gateway sees the cut
         trajectory = scope.trajectory(final_state=progress.state, stop_reason=stop_reason)
         return scope.scored(await score(trajectory, reward))
 

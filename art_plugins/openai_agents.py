@@ -16,9 +16,10 @@ How the agent's calls reach the gateway, with the agent's code unchanged:
 
 - **By model name.** An agent whose ``model=`` names the trainable model (``model.name``, or any of
   ``model_names``) is served from the rollout's gateway URL: the run's ``RunConfig`` carries a model
-  provider that builds those models, and hands every other name to the provider the run would have used
-  anyway. A ``Model`` object the agent built itself (``OpenAIChatCompletionsModel(model=..., openai_client=...)``)
-  is redirected by name at the HTTP layer (``_routing.py``). To put every agent of a run on the trainable
+  provider (the SDK's public hook) that builds those models, and hands every other name to the provider
+  the run would have used anyway. Only when an agent of the run (its handoffs and agents-as-tools
+  included) built its own ``Model`` object (``OpenAIChatCompletionsModel(model=..., openai_client=...)``)
+  is the HTTP redirect by name (``_routing.py``) installed for the run, since no provider is asked then. To put every agent of a run on the trainable
   model whatever its ``model=`` says, pass ``run_config=RunConfig(model=model.name)``, as with ``Runner.run``.
 - **Either API.** The Responses API (the SDK's default) or chat completions (``set_default_openai_api``,
   or ``api="chat_completions"`` here), streamed or not: the gateway records both the same way.
@@ -39,8 +40,9 @@ How a run ends, and what the trajectory says:
   guardrail. The trajectory is kept: ``(None, trajectory)``, marked ``metadata["truncated"]`` with
   ``metadata["stop_reason"]`` (``"max_turns"``, ``"model_behavior_error"``...) and the error in ``logs``;
   ``final_state`` is None. An ``error_handlers`` entry that turns the error into a final output gives a
-  normal result, and the trajectory is marked all the same. A run cut by the runner's ``timeout`` is kept
-  the same way (``"timeout"``).
+  normal result, and the trajectory is marked all the same. A run cut by the runner's ``timeout`` (``run``
+  and ``run_streamed``) is kept the same way (``"timeout"``), with the model call it cut recorded up to its
+  last sampled token (``finish_reason="cancelled"``).
 - A tool raises, or the model's arguments do not validate: by default the SDK tells the model and the run
   goes on. The trajectory's next call shows that message; ``logs`` keep the exception itself and
   ``metrics["tool_errors"]`` counts them (``RunConfig.tool_error_formatter`` reports them to us; a tool with
@@ -68,9 +70,10 @@ from art_core import TrainableModel, Trajectory, TrajectoryGroup
 from art_core.errors import ConfigError, LifecycleError
 
 from ._rollout import NoTrainableCallsError, RewardFn, RolloutScope, check_langfuse, gather_group, langfuse_trace, score
-from ._routing import wrappers_installed
+from ._routing import CountingTransport, Route, wrappers_installed
 
 try:
+    import httpx2
     import openai
     from agents import (
         Agent,
@@ -141,8 +144,9 @@ class TrainableRunner:
             API (``set_default_openai_api``), as ``Runner.run`` would use.
         tracing: False (default) disables the SDK's tracing for these runs, so nothing is exported to
             OpenAI; True leaves tracing as the SDK is configured.
-        timeout: seconds per ``run``; a run that exceeds it is cancelled and kept, marked truncated
-            (``stop_reason="timeout"``). Default: no limit.
+        timeout: seconds per ``run`` or ``run_streamed``; a run that exceeds it is cancelled and kept, marked
+            truncated (``stop_reason="timeout"``), the call it cut recorded up to its last sampled token.
+            Default: no limit.
         langfuse: True (keys from ``LANGFUSE_*``), a ``langfuse.Langfuse`` client or an
             ``art_plugins.langfuse.LangfuseTracing``: each ``run`` (and each run of ``group``) becomes a Langfuse
             trace with the SDK's structure, rewards scores, steps traces (see ``art_plugins.langfuse``; those
@@ -174,9 +178,17 @@ class TrainableRunner:
     def __repr__(self) -> str:
         return f"TrainableRunner(model={self.model.name!r}, model_names={sorted(self.model_names)})"
 
-    def capture(self, *, rollout_id: str | None = None) -> AgentCapture:
-        """A scope (``async with``) for driving the SDK yourself; see ``AgentCapture``."""
-        return AgentCapture(self, rollout_id=rollout_id)
+    def capture(self, *, rollout_id: str | None = None, agent: Agent[Any] | None = None,
+                run_config: RunConfig | dict[str, Any] | None = None) -> AgentCapture:
+        """A scope (``async with``) for driving the SDK yourself; see ``AgentCapture``.
+
+        Args:
+            rollout_id: default: a new random id.
+            agent, run_config: what the run will use, when known: the HTTP redirect is installed only if one
+                of its agents built its own ``Model`` object. Default: unknown, so the redirect is installed.
+        """
+        redirect = agent is None or _builds_own_model(agent, run_config)
+        return AgentCapture(self, rollout_id=rollout_id, redirect=redirect)
 
     async def run(self, starting_agent: Agent[Any], input: RunInput, *, reward: RewardFn | None = None,
                   context: Any = None, max_turns: int | None = DEFAULT_MAX_TURNS, hooks: RunHooks[Any] | None = None,
@@ -203,7 +215,7 @@ class TrainableRunner:
                 (re-raised too when the run stopped before any trainable call).
         """
         _check_agent(starting_agent)
-        capture = self.capture(rollout_id=rollout_id)
+        capture = self.capture(rollout_id=rollout_id, agent=starting_agent, run_config=run_config)
         capture.scope.trace = langfuse_trace(self.langfuse, capture.scope, input)  # Langfuse: None when off
         result: RunResult | None = None
         error: BaseException | None = None
@@ -220,7 +232,9 @@ class TrainableRunner:
                 if not deadline.expired():
                     raise  # the agent's own timeout, not ours
                 error = exc
-        if error is not None and not capture.made_calls():
+        if isinstance(error, TimeoutError):
+            await capture.scope.settle()  # the call it cut is recorded once the gateway sees the client go
+        elif error is not None and not capture.made_calls():
             raise error
         last_agent = result.last_agent if result is not None else _last_agent(error)
         trajectory = capture.trajectory(final_output=result.final_output if result is not None else None,
@@ -235,11 +249,12 @@ class TrainableRunner:
         """``Runner.run_streamed`` with the trainable model (call it with an event loop running).
 
         Read ``stream_events()`` to the end (or ``await streamed.wait()``), then ``streamed.trajectory`` holds
-        the scored run. Arguments and endings are those of ``run``; ``timeout`` does not apply (cancel with
-        ``streamed.result.cancel()``: the trajectory is then marked ``stop_reason="cancelled"``).
+        the scored run. Arguments and endings are those of ``run``, ``timeout`` included (the run is cancelled
+        when it runs out: the events end, and the trajectory says ``stop_reason="timeout"``). Cancelling it
+        yourself (``streamed.result.cancel()``) marks it ``stop_reason="cancelled"``.
         """
         _check_agent(starting_agent)
-        capture = self.capture(rollout_id=rollout_id)
+        capture = self.capture(rollout_id=rollout_id, agent=starting_agent, run_config=run_config)
         capture._hold()
         try:
             # The SDK starts the run in a task of its own, which copies the current context: the route set
@@ -251,7 +266,7 @@ class TrainableRunner:
         except BaseException:
             capture._held.close()
             raise
-        return StreamedRun(capture, result, reward)
+        return StreamedRun(capture, result, reward, timeout=self.timeout)
 
     async def group(self, starting_agent: Agent[Any], input: RunInput, *, n: int,
                     reward: RewardFn | None = None, context: Any = None, max_turns: int | None = DEFAULT_MAX_TURNS,
@@ -285,10 +300,10 @@ class AgentCapture:
         tool_errors: one line per tool error the SDK reported to the model.
     """
 
-    def __init__(self, runner: TrainableRunner, *, rollout_id: str | None = None) -> None:
+    def __init__(self, runner: TrainableRunner, *, rollout_id: str | None = None, redirect: bool = True) -> None:
         self._runner = runner
         self.scope = RolloutScope(runner.model, model_names=runner.model_names, framework="openai-agents",
-                                  caller=_calling_agent.get, rollout_id=rollout_id)
+                                  caller=_calling_agent.get, rollout_id=rollout_id, redirect=redirect)
         self.rollout_id = self.scope.rollout_id
         self.tool_errors: list[str] = []
         self._handled_stop: str | None = None
@@ -321,7 +336,8 @@ class AgentCapture:
             raise ConfigError(f"run_config must be a RunConfig or a dict, got {type(base).__name__}")
         runner = self._runner
         provider = _GatewayProvider(runner.model, rollout_id=self.rollout_id, names=runner.model_names,
-                                    api=runner.api, fallback=config.model_provider, owns_fallback=owns_provider)
+                                    api=runner.api, fallback=config.model_provider, owns_fallback=owns_provider,
+                                    route=self.scope.route)
         self._providers.append(provider)
         return dataclasses.replace(
             config, model_provider=provider,
@@ -371,8 +387,9 @@ class AgentCapture:
     # --- for streamed runs, whose task outlives the ``with`` that starts it ---
 
     def _hold(self) -> None:
-        """Keep the routing wrappers installed until ``_aclose()``."""
-        self._held.enter_context(wrappers_installed())
+        """Keep the routing wrappers installed until ``_aclose()`` (when this run redirects at all)."""
+        if self.scope.redirect:
+            self._held.enter_context(wrappers_installed())
 
     async def _aclose(self) -> None:
         """Release the routing hold and close the run's gateway clients."""
@@ -424,10 +441,16 @@ class StreamedRun:
         result: the SDK's ``RunResultStreaming`` (``final_output``, ``new_items``, ``cancel()``...).
     """
 
-    def __init__(self, capture: AgentCapture, result: RunResultStreaming, reward: RewardFn | None) -> None:
+    def __init__(self, capture: AgentCapture, result: RunResultStreaming, reward: RewardFn | None, *,
+                 timeout: float | None = None) -> None:
         self.result = result
         self._capture = capture
         self._reward = reward
+        self._timeout = timeout
+        self._timed_out = False
+        # The SDK's run task is already going: the limit counts from now, as Runner.run's does.
+        self._timer = (asyncio.get_running_loop().call_later(timeout, self._time_out)
+                       if timeout is not None else None)
         self._events: AsyncGeneratorType[StreamEvent, None] | None = None
         self._started = False  # the events' generator has begun running
         self._done = asyncio.Event()
@@ -510,10 +533,21 @@ class StreamedRun:
             raise
         await self._finish(error)
 
+    def _time_out(self) -> None:
+        """The run took longer than ``timeout``: cancel it (its events then end, and ``_finish`` marks it)."""
+        if not self.result.is_complete:
+            self._timed_out = True
+            self.result.cancel()
+
     async def _finish(self, error: BaseException | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         try:
             await self._capture._aclose()
-            if error is not None and not self._capture.made_calls():
+            if self._timed_out and error is None:
+                error = TimeoutError(f"the run took longer than timeout={self._timeout} s")
+                await self._capture.scope.settle()  # the call it cut is recorded once the gateway sees the cut
+            elif error is not None and not self._capture.made_calls():
                 raise error
             result = self.result
             final_output = result.final_output if error is None else None
@@ -539,16 +573,18 @@ class _GatewayProvider(ModelProvider):
         api: which OpenAI API to speak to the gateway (None: the SDK's default).
         fallback: the provider for every other name (the run's own ``RunConfig.model_provider``).
         owns_fallback: close ``fallback`` with this provider (the SDK would have owned it).
+        route: the rollout's route, where the calls to the gateway are counted.
     """
 
     def __init__(self, model: TrainableModel, *, rollout_id: str, names: frozenset[str], api: Api | None,
-                 fallback: ModelProvider, owns_fallback: bool) -> None:
+                 fallback: ModelProvider, owns_fallback: bool, route: Route) -> None:
         self._model = model
         self._rollout_id = rollout_id
         self._names = names
         self._use_responses = None if api is None else api == "responses"
         self._fallback = fallback
         self._owns_fallback = owns_fallback
+        self._route = route
         self._client: openai.AsyncOpenAI | None = None
         self._trainable: Model | None = None
 
@@ -567,8 +603,10 @@ class _GatewayProvider(ModelProvider):
     def _trainable_model(self) -> Model:
         if self._trainable is None:
             # The gateway on loopback takes any key; the model name sent is the one the gateway serves.
+            # Its calls are counted on the rollout's route, so a run cut short can wait for their records.
+            http = openai.DefaultAsyncHttpxClient(transport=CountingTransport(httpx2.AsyncHTTPTransport(), self._route))
             self._client = openai.AsyncOpenAI(base_url=self._model.rollout_base_url(self._rollout_id),
-                                              api_key=self._model.api_key or "local")
+                                              api_key=self._model.api_key or "local", http_client=http)
             provider = OpenAIProvider(openai_client=self._client, use_responses=self._use_responses,
                                       use_responses_websocket=False)  # the gateway speaks HTTP only
             self._trainable = provider.get_model(self._model.name)
@@ -613,6 +651,40 @@ def _no_label() -> Iterator[None]:
         yield
     finally:
         _calling_agent.reset(token)
+
+
+def _builds_own_model(agent: Agent[Any], run_config: RunConfig | dict[str, Any] | None) -> bool:
+    """Whether the run may call a ``Model`` object built outside our provider (so only the redirect can route it).
+
+    Walks the agents the run can reach: handoffs and agents used as tools. A handoff whose target cannot be
+    seen (a hand-made ``Handoff``) counts as "may": better an idle redirect than a call that escapes.
+    """
+    config_model = run_config.get("model") if isinstance(run_config, dict) else getattr(run_config, "model", None)
+    if isinstance(config_model, Model):
+        return True
+    seen: set[int] = set()
+    stack: list[Any] = [agent]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(getattr(current, "model", None), Model):
+            return True
+        for target in getattr(current, "handoffs", None) or ():
+            if isinstance(target, Agent):
+                stack.append(target)
+                continue
+            ref = getattr(target, "_agent_ref", None)  # set by handoff(agent); a weak reference
+            reached = ref() if callable(ref) else None
+            if reached is None:
+                return True
+            stack.append(reached)
+        for tool in getattr(current, "tools", None) or ():
+            inner = getattr(tool, "_agent_instance", None)  # Agent.as_tool() keeps its agent here
+            if inner is not None:
+                stack.append(inner)
+    return False
 
 
 def _check_agent(agent: Any) -> None:

@@ -4,7 +4,7 @@ Adapter tests need a model that calls the right tool with the right arguments, t
 embedded SmolLM2-135M rarely calls tools at all, and a random tiny model never does. So the tests fit a
 tiny Qwen2 (a few million parameters, SmolLM2's tokenizer and tool template) to the exact conversations
 they will run: for every assistant turn of a scripted conversation, the prompt is rendered exactly as the
-gateway renders it (``art_core.gateway.tokens.render_prompt`` on ``template_message``s) and the model
+gateway renders it (``art_core.gateway.tokens.render_prompt`` on ``art_core.messages.template_message``s) and the model
 learns to emit that turn (``<tool_call>`` blocks or text, then ``<|im_end|>``) greedily.
 
 The result is a real model on the real engine: real token ids and log-probabilities, real tool-call
@@ -45,7 +45,8 @@ def say(text: str) -> dict[str, Any]:
 
 
 def _turns(tokenizer: Any, conversation: Conversation) -> list[tuple[list[int], list[int]]]:
-    from art_core.gateway.tokens import render_prompt, template_message
+    from art_core.gateway.tokens import render_prompt
+    from art_core.messages import template_message
 
     messages, tools = conversation
     rendered = [template_message(m) for m in messages]

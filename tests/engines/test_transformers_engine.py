@@ -173,6 +173,33 @@ async def test_an_abandoned_request_stops_decoding(engine):
     assert engine.stats["steps"] < 1000
 
 
+async def test_stream_hands_out_each_token_at_the_step_that_sampled_it(engine):
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=5, n=2, top_logprobs=2)
+    whole = await engine.generate(PROMPTS[0], params)
+    seen: dict[int, list] = {0: [], 1: []}
+    steps_at = []
+    async for delta in engine.stream(PROMPTS[0], params):
+        assert len(delta.token_ids) == len(delta.logprobs) == len(delta.top_logprobs) == 1  # one token a step
+        seen[delta.choice].append(delta)
+        steps_at.append(engine.stats["steps"])
+    for out, deltas in zip(whole, seen.values(), strict=True):  # seeded: the same completions as generate()
+        assert [d.token_ids[0] for d in deltas] == out.token_ids
+        assert [d.logprobs[0] for d in deltas] == pytest.approx(out.logprobs)
+        assert [d.top_logprobs[0] for d in deltas] == out.top_logprobs
+        assert [d.finish_reason for d in deltas] == [None] * (len(deltas) - 1) + [out.finish_reason]
+    assert len(set(steps_at)) > 1  # handed out over the decode, not all at its end
+
+
+async def test_closing_a_stream_frees_its_rows_at_the_next_step(engine):
+    stream = engine.stream(PROMPTS[1], SamplingParams(max_tokens=5000, temperature=0))
+    async for _ in stream:
+        break
+    await stream.aclose()
+    await engine.pause()  # returns once the decode loop is idle: the rows were dropped
+    assert engine.running_rows == 0 and engine.stats["steps"] < 1000
+    await engine.resume()
+
+
 def test_the_sampler_draws_from_the_tempered_top_p_distribution():
     """Inverse-CDF sampling: frequencies follow softmax(logprobs / T), cut to top-p, and zero-mass tokens never come."""
     from art_core.engines.transformers import _choose

@@ -251,6 +251,28 @@ async def test_pause_drains_then_holds_requests_until_resume(engine: Any) -> Non
     assert out.token_ids == (await in_flight)[0].token_ids
 
 
+async def test_stream_hands_out_the_tokens_generate_returns(engine: Any) -> None:
+    prompt = chat_prompt(engine, "Write one short sentence about the sea.")
+    params = SamplingParams(max_tokens=32, temperature=0.0, top_logprobs=2)
+    (whole,) = await engine.generate(prompt, params)
+    deltas = [delta async for delta in engine.stream(prompt, params)]
+    assert len([d for d in deltas if d.token_ids]) > 1  # live: token by token, not one piece at the end
+    assert [t for d in deltas for t in d.token_ids] == whole.token_ids
+    assert [lp for d in deltas for lp in d.logprobs] == pytest.approx(whole.logprobs, abs=1e-5)
+    tops = [top for d in deltas for top in d.top_logprobs or []]
+    assert [sorted(top) for top in tops] == [sorted(top) for top in whole.top_logprobs]
+    assert [lp for top in tops for _, lp in sorted(top.items())] == pytest.approx(
+        [lp for top in whole.top_logprobs for _, lp in sorted(top.items())], abs=1e-5)
+    assert deltas[-1].finish_reason == whole.finish_reason and all(d.finish_reason is None for d in deltas[:-1])
+    assert {d.choice for d in deltas} == {0} and all(d.adapter_step == 0 for d in deltas)
+    # Closing the stream early ends the request (vLLM aborts it when its client goes).
+    stream = engine.stream(prompt, SamplingParams(max_tokens=500, temperature=0.0))
+    async for _ in stream:
+        break
+    await stream.aclose()
+    assert (await engine.health())["in_flight"] == 0
+
+
 @pytest.mark.skip(reason="vLLM's CPU build has no sleep mode (--enable-sleep-mode needs CUDA); pause() on CPU "
                          "only holds and drains requests")
 async def test_sleep_mode_frees_memory() -> None:  # pragma: no cover - GPU only

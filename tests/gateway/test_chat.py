@@ -125,6 +125,18 @@ async def test_tool_call_streaming_deltas_reassemble(gateway: Gateway, engine: F
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+@pytest.mark.parametrize("reply", [TOOL_REPLY, '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+                                   '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'],
+                         ids=["hermes", "llama3-held-to-the-end", "unclosed-block"])
+async def test_streamed_tool_call_ids_are_the_recorded_ones(gateway: Gateway, engine: FakeEngine, reply: str):
+    engine.reply = reply  # the last two are only known to be calls at the completion's end
+    async with async_client(gateway, gateway.rollout_base_url("ids")) as client:
+        stream = await client.chat.completions.create(model="agent", messages=USER, tools=[WEATHER_TOOL], stream=True)
+        ids = [tc.id for chunk in [c async for c in stream] for tc in chunk.choices[0].delta.tool_calls or [] if tc.id]
+    (record,) = gateway.records.for_rollout("ids")
+    assert ids == [call["id"] for call in record.reply["tool_calls"]] and len(ids) == 1
+
+
 async def test_assistant_tool_calls_in_history_are_rendered(gateway: Gateway, engine: FakeEngine):
     history = [
         *USER,

@@ -286,6 +286,27 @@ async def test_chat_completions(model: TrainableModel, way: str, streamed: bool)
     assert_token_exact(model, trajectory)
 
 
+async def test_the_http_redirect_is_installed_only_for_an_agent_with_its_own_model_object(model: TrainableModel):
+    installed: list[bool] = []
+
+    class Watch(RunHooks[Any]):
+        async def on_tool_start(self, context: Any, agent: Any, tool: Any) -> None:
+            installed.append(_routing.installed())  # mid-run, between the two model calls
+
+    by_name = calculator(MODEL)  # served through the runner's model provider: no redirect needed
+    by_object = calculator(OpenAIChatCompletionsModel(model=MODEL, openai_client=AsyncOpenAI(
+        base_url=UNREACHABLE, api_key="unused")))  # only the redirect can reach it
+    handing_off = Agent(name="Front", instructions="Hand off.", handoffs=[by_object], model=MODEL)
+    for agent in (by_name, by_object):
+        result, _ = await TrainableRunner(model).run(agent, "What is 3 + 4?", hooks=Watch())
+        assert result is not None and result.final_output == "3 + 4 = 7."
+    assert installed == [False, True] and not _routing.installed()
+    async with TrainableRunner(model).capture(agent=handing_off) as run:  # a handoff's own model counts too
+        assert _routing.installed() and run.scope.redirect
+    async with TrainableRunner(model).capture(agent=by_name) as run:
+        assert not _routing.installed() and not run.scope.redirect
+
+
 async def test_the_agents_own_model_name_is_mapped(model: TrainableModel):
     runner = TrainableRunner(model, model_names=["gpt-4.1-mini"])
     by_name = calculator("gpt-4.1-mini")  # resolved by the runner's model provider

@@ -12,6 +12,7 @@ import torch
 from art_core import (
     BaseModelNotFoundError,
     CallRecord,
+    ConfigError,
     LocalBackend,
     TrainableModel,
     TrainConfig,
@@ -140,6 +141,19 @@ async def test_bad_input_is_refused_and_nothing_on_disk_is_lost(tiny_model_dir, 
         assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == files
         # the refused groups were still written to disk before the step
         assert len(list((checkpoint.parent.parent / "trajectories").iterdir())) == 3
+
+
+async def test_a_bad_loss_option_is_refused_before_anything_is_written(tiny_model_dir, tmp_path):
+    model = TrainableModel(name="opts", base_model=tiny_model_dir)
+    async with LocalBackend(path=tmp_path, show_progress=False) as backend:
+        await model.register(backend)
+        with pytest.raises(ConfigError, match="'epsilon_hgih'.*accepts"):
+            await model.train([_group()], config=TrainConfig(loss_options={"epsilon_hgih": 0.28}))
+        assert model.step == 0
+        assert not (tmp_path / "default" / "models" / "opts" / "trajectories").exists()
+        assert not (tmp_path / "default" / "models" / "opts" / "history.jsonl").exists()
+        # the gateway was never paused: it still answers
+        assert (await model.sample([{"role": "user", "content": "hi"}], max_tokens=2))[0].calls
 
 
 def test_nan_reward_and_mismatched_logprobs_name_the_field():

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..config import TrainConfig
 from ..engines.base import SamplingParams
 from ..errors import ConfigError, LifecycleError
+from ..messages import template_messages
 from ..types import CallRecord, Message, Trajectory, TrajectoryGroup, trace_links, write_groups_jsonl
 
 from ._progress import progress_bar
@@ -122,7 +123,10 @@ class LocalBackend:
                     progress: Callable[[int, int], None] | None = None) -> TrainResult:
         """The contract's ``train``; ``progress(done, total)``, when given, is called from the training thread
         as micro-batches finish (``art-core serve`` streams it to its client), in place of the progress bar."""
+        from ..training.trainer import check_config
+
         slot = self._slot(model)
+        check_config(config)  # a bad loss option fails here, before the gateway pauses or anything is written
         if slot.gateway is not None:
             await slot.gateway.pause_for_training()  # in-flight requests finish; new ones wait
         try:
@@ -141,8 +145,9 @@ class LocalBackend:
 
         def run() -> list[Trajectory]:
             tokenizer = slot.engine.tokenizer
-            prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=False)
+            # The gateway's conversion (art_core.messages), so a conversation renders the same prompt either way.
+            prompt = tokenizer.apply_chat_template(template_messages(messages), tools=tools, add_generation_prompt=True,
+                                                   tokenize=True, return_dict=False)
             prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
             params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)
             with slot.lock:

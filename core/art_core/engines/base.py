@@ -8,11 +8,12 @@ tokens. Two implementations: ``engines/transformers.py`` (in process, CPU or GPU
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
-__all__ = ["Engine", "EngineOutput", "SamplingParams"]
+__all__ = ["Engine", "EngineOutput", "SamplingParams", "TokenDelta", "stream_tokens"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,24 @@ class EngineOutput:
     """Seconds spent queued and generating."""
 
 
+@dataclass(frozen=True)
+class TokenDelta:
+    """Tokens of one choice, sent as soon as they are sampled (``Engine.stream``)."""
+
+    choice: int
+    """Which of the request's ``n`` completions the tokens extend (0-based)."""
+    token_ids: list[int]
+    """The ids just sampled (usually one)."""
+    logprobs: list[float]
+    """Raw log-probability of each of them (same length as ``token_ids``)."""
+    top_logprobs: list[dict[int, float]] | None = None
+    """Per new position, the most likely alternatives, when asked for."""
+    finish_reason: Literal["stop", "length"] | None = None
+    """Set on the choice's last delta: the completion ended."""
+    adapter_step: int = 0
+    """Checkpoint step of the adapter sampling this completion."""
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What the gateway needs from an inference engine."""
@@ -68,6 +87,14 @@ class Engine(Protocol):
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[EngineOutput]:
         """Sample ``params.n`` completions of one prompt. Concurrent calls may be batched together."""
+        ...
+
+    def stream(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        """Like ``generate``, but each choice's tokens come out as they are sampled.
+
+        Every choice ends with a delta whose ``finish_reason`` is set. Closing the iterator early (or
+        cancelling the task reading it) stops the request: its batch rows are freed at the next step.
+        """
         ...
 
     async def load_adapter(self, path: Path, step: int) -> None:
@@ -86,6 +113,30 @@ class Engine(Protocol):
 
     async def aclose(self) -> None:
         ...
+
+
+async def stream_tokens(engine: Any, prompt_token_ids: list[int], params: SamplingParams
+                        ) -> AsyncIterator[TokenDelta]:
+    """``engine.stream(...)``, or, for an engine that only has ``generate``, its outputs as one delta per choice.
+
+    Test engines written as a plain ``generate`` function keep working: their outputs come as one delta per
+    token once generation is over (not live).
+    """
+    stream = getattr(engine, "stream", None)
+    if stream is not None:
+        async for delta in stream(prompt_token_ids, params):
+            yield delta
+        return
+    for index, out in enumerate(await engine.generate(prompt_token_ids, params)):
+        last = len(out.token_ids) - 1
+        if last < 0 or len(out.logprobs) != len(out.token_ids):  # nothing to split: the caller checks the rest
+            yield TokenDelta(index, list(out.token_ids), list(out.logprobs), out.top_logprobs, out.finish_reason,
+                             out.adapter_step)
+            continue
+        for pos, (token_id, logprob) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+            top = out.top_logprobs[pos : pos + 1] if out.top_logprobs is not None else None
+            yield TokenDelta(index, [token_id], [logprob], top, out.finish_reason if pos == last else None,
+                             out.adapter_step)
 
 
 def check_adapter_path(path: Path) -> Path:

@@ -8,6 +8,9 @@ for a long one, and a request that arrives mid-generation starts at the next ste
 the whole batch. Each row keeps its own temperature, top-p, seed, stop strings and token limit, so
 requests with different settings share a batch (``model.generate`` takes one setting for the whole batch).
 
+``stream`` hands each request its tokens at the step that sampled them (one call into the event loop per
+request per step); a reader that stops abandons the request, and its rows leave the batch at the next step.
+
 What it reports is what the trainer needs: completion ids up to and including the stop token, and the
 log-probability of each sampled token under the model's raw distribution (before temperature and top-p),
 which is what the trainer's forward pass computes.
@@ -27,7 +30,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -38,7 +41,7 @@ import torch
 from ..errors import ArtError, EngineError
 from ._batch import RunningBatch
 from ._structured import JsonSchemaGuide, advance, allowed_tokens
-from .base import EngineOutput, SamplingParams, check_adapter_path
+from .base import EngineOutput, SamplingParams, TokenDelta, check_adapter_path
 
 __all__ = ["TransformersEngine"]
 
@@ -52,6 +55,8 @@ class _Request:
     future: asyncio.Future[list[EngineOutput]] | None
     """Settled from the decode thread; None for ``generate_batch`` (results are collected instead)."""
     queued_at: float
+    deltas: asyncio.Queue[list[TokenDelta] | BaseException] | None = None
+    """For ``stream``: each step's new tokens are put here (from the decode thread, via the event loop)."""
     rows: list[_Row] = field(default_factory=list)
     admitted_at: float = 0.0
     adapter_step: int = 0
@@ -65,6 +70,8 @@ class _Request:
 @dataclass
 class _Row:
     request: _Request
+    index: int
+    """Which of the request's ``n`` choices this row samples."""
     generator: torch.Generator | None
     matcher: Any = None
     """llguidance matcher when the row follows a JSON schema or grammar (``params.json_schema``/``grammar``)."""
@@ -108,6 +115,8 @@ class TransformersEngine:
         self.stats = {"batches": 0, "rows": 0, "tokens": 0, "steps": 0, "max_rows": 0}
         """Counters since start: admissions (each prefills the requests that were waiting and adds their rows
         to the running batch), sequences decoded, tokens sampled, decode steps, most rows decoded at once."""
+        self.running_rows = 0
+        """Rows in the batch being decoded now (a row leaves the step after it finishes or its caller goes away)."""
 
     @classmethod
     async def from_pretrained(cls, model_dir: str | Path, *, adapter_dir: Path | None = None, adapter_step: int = 0,
@@ -137,6 +146,33 @@ class TransformersEngine:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[EngineOutput]:
         """Sample ``params.n`` completions; waits while the engine is paused."""
+        request = await self._enqueue(prompt_token_ids, params, None)
+        assert request.future is not None
+        return await request.future
+
+    async def stream(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        """Sample ``params.n`` completions, each token handed out at the step that sampled it.
+
+        Closing the iterator (or cancelling its reader) abandons the request: its rows leave the batch
+        at the next step, and the tokens already handed out are all it sampled.
+        """
+        queue: asyncio.Queue[list[TokenDelta] | BaseException] = asyncio.Queue()
+        request = await self._enqueue(prompt_token_ids, params, queue)
+        assert request.future is not None
+        try:
+            finished = 0
+            while finished < params.n:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                for delta in item:
+                    finished += delta.finish_reason is not None
+                    yield delta
+        finally:
+            request.future.cancel()  # abandoned (a no-op once settled): the decode loop drops its rows
+
+    async def _enqueue(self, prompt_token_ids: list[int], params: SamplingParams,
+                       deltas: asyncio.Queue[list[TokenDelta] | BaseException] | None) -> _Request:
         self._ensure_worker()
         if not prompt_token_ids:
             raise EngineError("the prompt is empty: render the chat template before calling the engine")
@@ -144,11 +180,12 @@ class TransformersEngine:
             # Compile now: a schema or grammar llguidance refuses fails this request only (ConstraintError).
             await asyncio.to_thread(self._json_guide().check, params.json_schema, grammar=params.grammar)
         future: asyncio.Future[list[EngineOutput]] = asyncio.get_running_loop().create_future()
+        request = _Request(list(prompt_token_ids), params, future, time.perf_counter(), deltas)
         with self._queue_lock:
-            self._queue.append(_Request(list(prompt_token_ids), params, future, time.perf_counter()))
+            self._queue.append(request)
         assert self._wakeup is not None
         self._wakeup.set()
-        return await future
+        return request
 
     async def load_adapter(self, path: Path, step: int) -> None:
         """Load a PEFT adapter from ``path`` and serve it from the next request on, without reloading the base.
@@ -202,6 +239,7 @@ class TransformersEngine:
 
     async def health(self) -> dict[str, Any]:
         return {"engine": "transformers", "adapter_step": self._adapter_step, "queued": len(self._queue), **self.stats,
+                "running_rows": self.running_rows,
                 "paused": bool(self._serving and not self._serving.is_set()), "closed": self._closed}
 
     async def aclose(self) -> None:
@@ -246,7 +284,8 @@ class TransformersEngine:
             self._idle.clear()
             try:
                 # Runs while there is work; requests that arrive meanwhile join it (see _take_queued).
-                await asyncio.to_thread(self._decode, [], self._take_queued, partial(_settle_soon, loop))
+                await asyncio.to_thread(self._decode, [], self._take_queued, partial(_settle_soon, loop),
+                                        partial(_publish_soon, loop))
             finally:
                 self._idle.set()
 
@@ -276,7 +315,8 @@ class TransformersEngine:
         now = time.perf_counter()
         requests = [_Request(list(prompt), p, None, now) for prompt, p in zip(prompts, params)]
         results: dict[int, list[EngineOutput] | BaseException] = {}
-        self._decode(requests, lambda free, empty: [], lambda request, outcome: results.update({id(request): outcome}))
+        self._decode(requests, lambda free, empty: [], lambda request, outcome: results.update({id(request): outcome}),
+                     lambda request, deltas: None)
         for outcome in results.values():
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -284,8 +324,11 @@ class TransformersEngine:
 
     @torch.no_grad()
     def _decode(self, first: list[_Request], take: Callable[[int, bool], list[_Request]],
-                settle: Callable[[_Request, list[EngineOutput] | BaseException], None]) -> None:
+                settle: Callable[[_Request, list[EngineOutput] | BaseException], None],
+                publish: Callable[[_Request, list[TokenDelta]], None]) -> None:
         """Decode until no row is left and ``take`` gives nothing more; ``settle`` gets each request's result.
+
+        ``publish`` gets each step's new tokens of every streamed request (one call per request per step).
 
         ``take(free_rows, batch_empty)`` is asked for more requests before every step. A failure fails
         every request in the loop (one bad batch must not take the engine down) and ends the loop.
@@ -303,6 +346,7 @@ class TransformersEngine:
                     if waiting:
                         rows += self._admit(batch, waiting)
                         waiting = []
+                self.running_rows = len(rows)
                 if not rows:
                     return
                 if self._closed:
@@ -310,6 +354,7 @@ class TransformersEngine:
                 assert batch.logits is not None
                 next_ids = self._sample(rows, batch.logits)
                 self.stats["steps"] += 1
+                self._publish(rows, publish)
                 for request in {id(r.request): r.request for r in rows if r.finish}.values():
                     if all(r.finish for r in request.rows):
                         settle(request, self._outputs(request))
@@ -317,6 +362,7 @@ class TransformersEngine:
                 if len(keep) < len(rows):
                     batch.keep(keep)
                     rows, next_ids = [rows[i] for i in keep], next_ids[keep]
+                self.running_rows = len(rows)
                 if rows:
                     batch.step(next_ids)
         except BaseException as exc:
@@ -329,7 +375,24 @@ class TransformersEngine:
             if not isinstance(exc, Exception):
                 raise
         finally:
+            self.running_rows = 0
             model.train(was_training)
+
+    @staticmethod
+    def _publish(rows: list[_Row], publish: Callable[[_Request, list[TokenDelta]], None]) -> None:
+        """Hand each streamed request the tokens its rows sampled this step."""
+        new: dict[int, list[TokenDelta]] = {}
+        for row in rows:
+            request = row.request
+            if request.deltas is None:
+                continue
+            top = row.top[-1:] if request.params.top_logprobs else None
+            new.setdefault(id(request), []).append(TokenDelta(
+                row.index, row.tokens[-1:], row.logprobs[-1:], top, row.finish, request.adapter_step))
+        for row in rows:
+            deltas = new.pop(id(row.request), None)
+            if deltas is not None:
+                publish(row.request, deltas)
 
     def _admit(self, batch: RunningBatch, requests: list[_Request]) -> list[_Row]:
         """Prefill ``requests`` into the batch (each prompt once, then copied to its n rows); their new rows."""
@@ -342,7 +405,7 @@ class TransformersEngine:
             for k in range(p.n):
                 generator = torch.Generator().manual_seed(p.seed * 1_000_003 + k) if p.seed is not None else None
                 matcher = self._json_guide().matcher(p.json_schema, grammar=p.grammar) if constrained else None
-                request.rows.append(_Row(request, generator, matcher))
+                request.rows.append(_Row(request, k, generator, matcher))
             rows += request.rows
         batch.add([r.prompt for r in requests], [r.params.n for r in requests])
         self.stats["batches"] += 1
@@ -420,6 +483,11 @@ def _settle_soon(loop: asyncio.AbstractEventLoop, request: _Request,
         future = request.future
         if future is None or future.done():  # the caller may have gone away
             return
+        if request.deltas is not None:  # streamed: the tokens went out already; only a failure is news
+            if isinstance(outcome, BaseException):
+                request.deltas.put_nowait(outcome)
+            future.set_result([])
+            return
         if isinstance(outcome, BaseException):
             future.set_exception(outcome)
         else:
@@ -427,3 +495,12 @@ def _settle_soon(loop: asyncio.AbstractEventLoop, request: _Request,
 
     with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody is waiting any more
         loop.call_soon_threadsafe(settle)
+
+
+def _publish_soon(loop: asyncio.AbstractEventLoop, request: _Request, deltas: list[TokenDelta]) -> None:
+    """Hand a step's tokens from the decode thread to the streaming reader, in order, on its event loop."""
+    queue = request.deltas
+    if queue is None or (request.future is not None and request.future.done()):
+        return
+    with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody is reading any more
+        loop.call_soon_threadsafe(queue.put_nowait, deltas)

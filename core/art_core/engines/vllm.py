@@ -34,14 +34,14 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 
 from ..errors import ConfigError, EngineError, LifecycleError
-from .base import EngineOutput, SamplingParams, check_adapter_path
+from .base import EngineOutput, SamplingParams, TokenDelta, check_adapter_path
 
 __all__ = ["VLLMEngine", "find_vllm_python"]
 
@@ -304,6 +304,46 @@ class VLLMEngine:
             raise EngineError(f"unexpected /v1/completions reply from vLLM ({exc!r}); is the venv's vLLM older "
                               f"than 0.10 (no return_token_ids)? Reply starts: {str(body)[:300]}") from exc
 
+    async def stream(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        """Sample ``params.n`` completions with vLLM's own streaming: tokens come out as vLLM sends them.
+
+        Closing the iterator closes the HTTP stream, and vLLM aborts the request.
+
+        Raises:
+            EngineError: the server refused the request, did not answer, or sent a chunk we cannot read.
+            LifecycleError: the engine was closed.
+        """
+        self._check_open("generate")
+        while not self._open.is_set():  # paused: wait, as generate() does
+            await self._open.wait()
+        self._check_open("generate")
+        name, step = self._model_name, self._adapter_step
+        self._in_flight[name] = self._in_flight.get(name, 0) + 1
+        self._idle.clear()
+        body = {**_completion_request(name, prompt_token_ids, params), "stream": True}
+        try:
+            async with self._client.stream("POST", "/v1/completions", json=body) as response:
+                if response.is_error:
+                    await response.aread()
+                    raise EngineError(f"vLLM answered POST /v1/completions with {response.status_code}: "
+                                      f"{_error_message(response)}")
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: "):])
+                    if "error" in chunk:
+                        raise EngineError(f"vLLM failed the request mid-stream: {chunk['error']}")
+                    for choice in chunk.get("choices") or ():
+                        delta = _parse_delta(choice, params, step)
+                        if delta is not None:
+                            yield delta
+        except httpx.TransportError as exc:
+            raise EngineError(f"vLLM server (pid {self.process.pid}) stream failed: {exc!r}") from exc
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(f"unexpected streamed /v1/completions chunk from vLLM ({exc!r})") from exc
+        finally:
+            await self._finish_request(name)
+
     async def _finish_request(self, name: str) -> None:
         self._in_flight[name] -= 1
         if self._in_flight[name]:
@@ -457,15 +497,32 @@ def _parse_choice(choice: dict[str, Any], params: SamplingParams, step: int,
     finish = choice.get("finish_reason")
     if finish not in ("stop", "length"):
         raise EngineError(f"vLLM finished a completion with {finish!r} (expected 'stop' or 'length')")
-    top: list[dict[int, float]] | None = None
-    if params.top_logprobs:
-        top = []
-        for position in lp["top_logprobs"]:
-            ranked = sorted(((_token_id(k), float(v)) for k, v in position.items()), key=lambda kv: -kv[1])
-            top.append(dict(ranked[: params.top_logprobs]))
     reason: Literal["stop", "length"] = finish
-    return EngineOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=reason, top_logprobs=top,
+    return EngineOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=reason, top_logprobs=_top(lp, params),
                         adapter_step=step, timings=dict(timings))
+
+
+def _parse_delta(choice: dict[str, Any], params: SamplingParams, step: int) -> TokenDelta | None:
+    """One streamed choice chunk as a ``TokenDelta`` (None for a chunk without tokens or an end)."""
+    token_ids = [int(t) for t in choice.get("token_ids") or ()]
+    finish = choice.get("finish_reason")
+    if not token_ids and finish is None:
+        return None
+    if finish not in (None, "stop", "length"):
+        raise EngineError(f"vLLM finished a completion with {finish!r} (expected 'stop' or 'length')")
+    lp = choice.get("logprobs") or {"token_logprobs": [], "top_logprobs": []}
+    logprobs = [float(x) for x in lp["token_logprobs"]]
+    if len(logprobs) != len(token_ids):
+        raise EngineError(f"vLLM streamed {len(token_ids)} token ids but {len(logprobs)} logprobs")
+    return TokenDelta(int(choice["index"]), token_ids, logprobs, _top(lp, params), finish, step)
+
+
+def _top(logprobs: dict[str, Any], params: SamplingParams) -> list[dict[int, float]] | None:
+    """Per position, the ``params.top_logprobs`` best alternatives (token id -> logprob); None when not asked."""
+    if not params.top_logprobs:
+        return None
+    return [dict(sorted(((_token_id(k), float(v)) for k, v in position.items()),
+                        key=lambda kv: -kv[1])[: params.top_logprobs]) for position in logprobs["top_logprobs"]]
 
 
 def _token_id(key: str) -> int:

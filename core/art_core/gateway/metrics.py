@@ -26,6 +26,8 @@ class GatewayMetrics:
         self.tool_call_parse_errors = 0
         """Tool-call markup the model wrote that could not be parsed (returned as content instead)."""
         self.records_written = 0
+        self.completions_cancelled = 0
+        """Requests stopped before their end (client gone, task cancelled); recorded with the tokens so far."""
 
     def snapshot(self) -> dict[str, Any]:
         """The counters as a JSON-ready dict."""
@@ -38,4 +40,5 @@ class GatewayMetrics:
             "tool_calls": self.tool_calls,
             "tool_call_parse_errors": self.tool_call_parse_errors,
             "records_written": self.records_written,
+            "completions_cancelled": self.completions_cancelled,
         }

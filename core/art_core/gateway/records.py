@@ -56,9 +56,11 @@ class ExchangeRecord(BaseModel):
     logprobs: list[float]
     """The sampler's log-probability of each completion token (same length as ``completion_token_ids``)."""
     finish_reason: str
-    """As returned to the client: ``stop``, ``length`` or ``tool_calls``."""
+    """As returned to the client: ``stop``, ``length`` or ``tool_calls``; ``cancelled`` when the call was
+    stopped before its end (the client went away, the rollout's timeout): the ids are those sampled so far."""
     timings: dict[str, float] = Field(default_factory=dict)
-    """Seconds: ``wait`` (held while paused), ``queue`` and ``generate`` (engine), ``total`` (request)."""
+    """Seconds: ``wait`` (held while paused), ``queue`` (engine called -> first token: queued and prefill),
+    ``generate`` (first token -> last), ``total`` (request)."""
     messages: list[dict[str, Any]] = Field(default_factory=list)
     """The conversation in chat-completions format, as rendered into the prompt (a Responses request's
     input items converted): what a trajectory is rebuilt from, whichever endpoint the call used."""

@@ -1,12 +1,12 @@
-"""``POST /v1/responses``: OpenAI's Responses API (the OpenAI Agents SDK's default), over chat.py's pipeline.
+"""``POST /v1/responses``: OpenAI's Responses API (the OpenAI Agents SDK's default), over the completion pipeline.
 
 A Responses request is translated into the chat completions request that means the same, and then takes
-chat.py's road: the same validation, sampling parameters, chat template, engine call, tool-call parsing
-and record. Only the two ends differ:
+the same road as chat (``completion.Completion``): validation, sampling parameters, chat template, engine,
+tool-call parsing and record. This module only translates the two ends:
 
     body -> stateless checks -> input items -> chat messages (+ tools, text.format, max_output_tokens)
-         -> ChatCompletionRequest -> prompt ids -> engine.generate -> decode, parse tool calls
-         -> record (endpoint "responses") -> a Response object, or its SSE events
+         -> ChatCompletionRequest -> Completion (record endpoint "responses")
+         -> a Response object, or its SSE events as the tokens are sampled
 
 Translation:
 
@@ -31,27 +31,21 @@ does; the Agents SDK raises ``ModelBehaviorError`` on it.
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..engines.base import EngineOutput, SamplingParams
-from .chat import _Answer, _answer, _json_object, _logprob_entries, _sampling_params, generate_outputs
-from .chat import _validate as _validate_chat
+from .completion import Answer, Completion, Done, TextDelta, ToolCallDelta, json_body, new_request_id, validate_chat
 from .errors import APIError
-from .records import ExchangeRecord
 from .schemas import ChatCompletionRequest, FunctionDefinition, JsonSchemaFormat, TokenLogprob
 from .served import check_model
-from .state import GatewayState, call_headers, request_scope
-from .streaming import _sse
-from .tokens import Detokenizer, render_prompt, template_message
-from .tool_calls import ContentDelta, ToolCallStream, format_tool_call_id
+from .state import call_headers, request_scope
+from .streaming import ClientGone, open_stream, sse, until_done
 
 __all__ = ["ResponseObject", "ResponsesRequest", "router"]
 
@@ -266,9 +260,7 @@ class ResponseObject(BaseModel):
 async def create_response(request: Request) -> Response:
     """OpenAI's Responses API, served by the engine and recorded token-exactly."""
     state, rollout_id, caller = request_scope(request)  # plain calls, not Depends: see request_scope
-    started = time.perf_counter()
-    created = time.time()
-    raw = await _json_object(request)
+    raw = await json_body(request)
     _refuse_unsupported(raw)
     body, items = _validate(raw)
     if body.model_extra:
@@ -280,55 +272,29 @@ async def create_response(request: Request) -> Response:
             400, f"max_output_tokens is {body.max_output_tokens}, above this gateway's limit of {limit}: ask for at "
             f"most {limit}", param="max_output_tokens", code="max_tokens_too_large",
         )
-
-    # --- the equivalent chat request: from here on, chat.py's helpers do the work ---
+    # --- the equivalent chat request; from here on the pipeline does the work ---
     chat_tools = [{"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
                   for tool in raw.get("tools") or []]
     chat = _as_chat_request(body, _chat_messages(body.instructions, items), chat_tools)
-    params = _sampling_params(chat, state)
-    offer_tools = bool(chat.tools) and chat.tool_choice != "none"
-    tool_names = [t.function.name for t in chat.tools or []] if offer_tools else None
-    chat_messages = [m.model_dump(exclude_none=True) for m in chat.messages]  # dumped once: template and record
-    prompt_ids = render_prompt(state.engine.tokenizer, [template_message(m) for m in chat_messages],
-                               chat_tools if offer_tools else None)
-
-    # --- generate, check, decode and parse, record (on disk before the client hears back) ---
-    outputs, waited = await generate_outputs(state, prompt_ids, params)
-    (out,) = outputs
-    answer = _answer(out, state.detokenizer, params.stop, tool_names)
-    response_id = f"resp_{uuid.uuid4().hex}"
-    call_ids = [format_tool_call_id() for _ in answer.tool_calls]
-    reply: dict[str, Any] = {"role": "assistant", "content": answer.content}
-    if call_ids:
-        reply["tool_calls"] = [{"id": call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                               for call_id, c in zip(call_ids, answer.tool_calls, strict=True)]
-    state.records.add(ExchangeRecord(
-        request_id=response_id, rollout_id=rollout_id, created=created, endpoint="responses", model=body.model,
-        adapter_step=out.adapter_step, request=raw, prompt_token_ids=prompt_ids,
-        completion_token_ids=list(out.token_ids), logprobs=list(out.logprobs), finish_reason=answer.finish_reason,
-        timings={"wait": waited, **out.timings, "total": time.perf_counter() - started},
-        messages=chat_messages, tools=chat_tools if offer_tools else [],
-        reply={k: v for k, v in reply.items() if v is not None}, caller=caller,
-    ))
-    metrics = state.metrics
-    metrics.completions += 1
-    metrics.records_written += 1
-    metrics.prompt_tokens += len(prompt_ids)
-    metrics.completion_tokens += len(out.token_ids)
-    metrics.tool_call_parse_errors += answer.parse_errors
-    metrics.tool_calls += len(answer.tool_calls)
-
-    # --- answer ---
-    want_logprobs = _LOGPROBS in (body.include or ())
-    logprobs = _logprob_entries(out, state.detokenizer, body.top_logprobs or 0) if want_logprobs else []
-    response = _response_object(body, raw, response_id=response_id, created=created, answer=answer, call_ids=call_ids,
-                                logprobs=logprobs, params=params, usage=(len(prompt_ids), len(out.token_ids)))
-    headers = call_headers(response_id, out.adapter_step, len(prompt_ids), len(out.token_ids))
-    if body.stream:
-        deltas = _content_deltas(out, answer.text, answer.content, state.detokenizer, tool_names, logprobs)
-        return StreamingResponse(_sse_events(response, deltas), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", **headers})
-    return JSONResponse(response.model_dump(mode="json"), headers=headers)
+    completion = Completion(state, chat, raw, endpoint="responses", rollout_id=rollout_id, caller=caller,
+                            request_id=new_request_id("resp_"), tools=chat_tools)
+    try:
+        if body.stream:
+            return await open_stream(request, completion.events(),
+                                     lambda events: _sse_events(body, raw, completion, events),
+                                     lambda: call_headers(completion.request_id, state.engine.adapter_step,
+                                                          len(completion.prompt_ids), None))
+        (answer,) = await until_done(request, completion.answers())
+    except ClientGone:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+    output: list[OutputMessage | OutputFunctionCall] = []
+    if answer.content is not None:  # None only when the model called tools and wrote no text
+        output.append(_message(answer, f"msg_{uuid.uuid4().hex}"))
+    output += [_function_call(call) for call in answer.tool_calls]
+    headers = call_headers(completion.request_id, answer.adapter_step, len(completion.prompt_ids),
+                           answer.completion_tokens)
+    return JSONResponse(_response_object(body, raw, completion, answer, output).model_dump(mode="json"),
+                        headers=headers)
 
 
 def _refuse_unsupported(raw: dict[str, Any]) -> None:
@@ -426,7 +392,7 @@ def _as_chat_request(
     choice = body.tool_choice
     fmt = body.text.format if body.text is not None else None
     logprobs = _LOGPROBS in (body.include or ())
-    return _validate_chat({
+    return validate_chat({
         "model": body.model,
         "messages": messages,
         "tools": tools or None,
@@ -442,26 +408,22 @@ def _as_chat_request(
     })
 
 
-def _response_object(
-    body: ResponsesRequest, raw: dict[str, Any], *, response_id: str, created: float, answer: _Answer,
-    call_ids: list[str], logprobs: list[TokenLogprob], params: SamplingParams, usage: tuple[int, int],
-) -> ResponseObject:
-    """The Response: a message when the model wrote text (or nothing at all), then its calls, plus the echoes."""
-    incomplete = answer.finish_reason == "length"
-    output: list[OutputMessage | OutputFunctionCall] = []
-    if answer.content is not None:  # None only when the model called tools and wrote no text
-        output.append(OutputMessage(id=f"msg_{uuid.uuid4().hex}", status="incomplete" if incomplete else "completed",
-                                    content=[OutputText(text=answer.content, logprobs=logprobs)]))
-    output += [OutputFunctionCall(id=f"fc_{uuid.uuid4().hex}", call_id=call_id, name=call.name,
-                                  arguments=call.arguments) for call_id, call in zip(call_ids, answer.tool_calls, strict=True)]
-    prompt_tokens, completion_tokens = usage
+def _response_object(body: ResponsesRequest, raw: dict[str, Any], completion: Completion, answer: Answer | None,
+                     output: list[OutputMessage | OutputFunctionCall]) -> ResponseObject:
+    """The Response with ``output``, plus the echoes; ``answer`` None: still in progress (no usage yet)."""
+    incomplete = answer is not None and answer.finish_reason == "length"
+    usage = None
+    if answer is not None:
+        prompt_tokens = len(completion.prompt_ids)
+        usage = ResponseUsage(input_tokens=prompt_tokens, output_tokens=answer.completion_tokens,
+                              total_tokens=prompt_tokens + answer.completion_tokens)
     text = raw.get("text") or {}
+    params = completion.params
     return ResponseObject(
-        id=response_id, created_at=int(created), status="incomplete" if incomplete else "completed",
+        id=completion.request_id, created_at=int(completion.created),
+        status="in_progress" if answer is None else "incomplete" if incomplete else "completed",
         incomplete_details={"reason": "max_output_tokens"} if incomplete else None, model=body.model, output=output,
-        usage=ResponseUsage(input_tokens=prompt_tokens, output_tokens=completion_tokens,
-                            total_tokens=prompt_tokens + completion_tokens),
-        instructions=body.instructions, metadata=body.metadata or {}, tools=raw.get("tools") or [],
+        usage=usage, instructions=body.instructions, metadata=body.metadata or {}, tools=raw.get("tools") or [],
         tool_choice=raw.get("tool_choice") or "auto",
         parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls,
         temperature=params.temperature, top_p=params.top_p, max_output_tokens=body.max_output_tokens,
@@ -470,49 +432,29 @@ def _response_object(
     )
 
 
+def _message(answer: Answer, item_id: str) -> OutputMessage:
+    """The message item: the answer's text (with every visible token's logprobs when asked for)."""
+    return OutputMessage(id=item_id, status="incomplete" if answer.finish_reason == "length" else "completed",
+                         content=[OutputText(text=answer.content or "", logprobs=answer.logprobs or [])])
+
+
+def _function_call(call: Any) -> OutputFunctionCall:
+    return OutputFunctionCall(id=f"fc_{uuid.uuid4().hex}", call_id=call.id, name=call.function.name,
+                              arguments=call.function.arguments)
+
+
 # --- streaming ------------------------------------------------------------------------------------
 
 
-def _content_deltas(
-    out: EngineOutput, text: str, content: str | None, detokenizer: Detokenizer, tool_names: list[str] | None,
-    logprobs: list[TokenLogprob],
-) -> list[tuple[str, list[TokenLogprob]]]:
-    """The message text split as the tokens produce it, each piece with its tokens' logprob entries.
+async def _sse_events(body: ResponsesRequest, raw: dict[str, Any], completion: Completion,
+                      events: AsyncIterator[TextDelta | ToolCallDelta | Done]) -> AsyncIterator[bytes]:
+    """The response as OpenAI's event sequence (``event:`` line, JSON with ``sequence_number``), live.
 
-    Tool-call markup is left out the way ``streaming.py`` does it (``ToolCallStream``), so the pieces add up
-    to ``content``; tokens that produced no content (markup) carry their entries in the next piece.
-    """
-    if content is None:
-        return []
-    parser = ToolCallStream(tool_names=tool_names) if tool_names is not None else None
-    deltas: list[tuple[str, list[TokenLogprob]]] = []
-    pending: list[TokenLogprob] = []
-    used = 0
-    for piece, count in detokenizer.text_pieces(list(out.token_ids), text):
-        pending += logprobs[used : used + count]
-        used += count
-        events = parser.feed(piece) if parser is not None else [ContentDelta(piece)] if piece else []
-        for event in events:
-            if isinstance(event, ContentDelta):
-                deltas.append((event.text, pending))
-                pending = []
-    for event in parser.finish() if parser is not None else []:
-        if isinstance(event, ContentDelta):
-            deltas.append((event.text, pending))
-            pending = []
-    if "".join(piece for piece, _ in deltas) != content:  # never expected: send the exact text in one piece
-        logger.error("streamed content pieces do not add up to the content; sending it whole")
-        return [(content, logprobs)]
-    return deltas
-
-
-async def _sse_events(response: ResponseObject, deltas: list[tuple[str, list[TokenLogprob]]]) -> AsyncIterator[bytes]:
-    """The finished response as OpenAI's event sequence (``event:`` line, JSON with ``sequence_number``).
-
-    The engine returns whole completions, so the events replay one (see streaming.py): created, in_progress,
-    the message (item added, part added, text deltas, text done, part done, item done), each function call
-    (item added, arguments delta, arguments done, item done), then ``response.completed`` or
-    ``response.incomplete`` with the whole response.
+    created, in_progress; a message item opens at the first text (item added, part added) and takes the
+    text deltas as they are sampled; a function call goes out whole once its block has parsed (item added,
+    arguments delta, arguments done, item done), after closing the message before it (text done, part done,
+    item done; text after the call opens another message); then ``response.completed`` or
+    ``response.incomplete`` with the whole response, its items in the order they were streamed.
     """
     sequence = 0
 
@@ -520,31 +462,81 @@ async def _sse_events(response: ResponseObject, deltas: list[tuple[str, list[Tok
         nonlocal sequence
         data = {"type": kind, "sequence_number": sequence, **fields}
         sequence += 1
-        return f"event: {kind}\n".encode() + _sse(data)
+        return sse(data, event=kind)
 
-    final = response.model_dump(mode="json")
-    shell = {**final, "status": "in_progress", "incomplete_details": None, "output": [], "usage": None}
+    shell = _response_object(body, raw, completion, None, []).model_dump(mode="json")
     yield event("response.created", response=shell)
     yield event("response.in_progress", response=shell)
-    for index, item in enumerate(final["output"]):
-        where = {"item_id": item["id"], "output_index": index}
-        if item["type"] == "message":
-            part = item["content"][0]
-            started = {**item, "status": "in_progress", "content": []}
-            yield event("response.output_item.added", output_index=index, item=started)
-            empty = {**part, "text": "", "logprobs": []}
-            yield event("response.content_part.added", **where, content_index=0, part=empty)
-            for piece, entries in deltas:
-                yield event("response.output_text.delta", **where, content_index=0, delta=piece,
-                            logprobs=[e.model_dump() for e in entries])
-            yield event("response.output_text.done", **where, content_index=0, text=part["text"],
-                        logprobs=part["logprobs"])
-            yield event("response.content_part.done", **where, content_index=0, part=part)
+    output: list[OutputMessage | OutputFunctionCall] = []
+    message: _StreamedMessage | None = None
+
+    def open_message() -> list[bytes]:
+        nonlocal message
+        message = _StreamedMessage(f"msg_{uuid.uuid4().hex}", len(output))
+        started = OutputMessage(id=message.id, status="in_progress", content=[])
+        output.append(started)
+        return [event("response.output_item.added", output_index=message.index, item=started.model_dump(mode="json")),
+                event("response.content_part.added", **message.where, content_index=0,
+                      part=OutputText(text="").model_dump(mode="json"))]
+
+    def close_message(status: Literal["completed", "incomplete"], tail: list[TokenLogprob]) -> list[bytes]:
+        nonlocal message
+        assert message is not None
+        done = OutputMessage(id=message.id, status=status, content=[
+            OutputText(text="".join(message.texts), logprobs=[*message.logprobs, *tail])])
+        output[message.index] = done
+        part = done.content[0].model_dump(mode="json")
+        where, message = message.where, None
+        return [event("response.output_text.done", **where, content_index=0, text=part["text"],
+                      logprobs=part["logprobs"]),
+                event("response.content_part.done", **where, content_index=0, part=part),
+                event("response.output_item.done", output_index=where["output_index"], item=done.model_dump(mode="json"))]
+
+    answer: Answer | None = None
+    async for item in events:
+        if isinstance(item, TextDelta):
+            chunks = open_message() if message is None else []
+            assert message is not None
+            message.texts.append(item.text)
+            message.logprobs += item.logprobs or []
+            chunks.append(event("response.output_text.delta", **message.where, content_index=0, delta=item.text,
+                                logprobs=[e.model_dump() for e in item.logprobs or []]))
+        elif isinstance(item, ToolCallDelta):
+            chunks = close_message("completed", item.logprobs or []) if message is not None else []
+            call = _function_call(item.call)
+            output.append(call)
+            where = {"item_id": call.id, "output_index": len(output) - 1}
+            started = {**call.model_dump(mode="json"), "status": "in_progress", "arguments": ""}
+            chunks += [event("response.output_item.added", output_index=where["output_index"], item=started),
+                       event("response.function_call_arguments.delta", **where, delta=call.arguments),
+                       event("response.function_call_arguments.done", **where, name=call.name,
+                             arguments=call.arguments),
+                       event("response.output_item.done", output_index=where["output_index"],
+                             item=call.model_dump(mode="json"))]
         else:
-            started = {**item, "status": "in_progress", "arguments": ""}
-            yield event("response.output_item.added", output_index=index, item=started)
-            yield event("response.function_call_arguments.delta", **where, delta=item["arguments"])
-            yield event("response.function_call_arguments.done", **where, name=item["name"],
-                        arguments=item["arguments"])
-        yield event("response.output_item.done", output_index=index, item=item)
+            answer = item.answer
+            chunks = []
+            if message is None and answer.content is not None and not any(
+                    isinstance(o, OutputMessage) for o in output):  # the model wrote nothing at all: an empty message
+                chunks += open_message()
+            if message is not None:
+                chunks += close_message("incomplete" if answer.finish_reason == "length" else "completed",
+                                        item.logprobs or [])
+        for chunk in chunks:
+            yield chunk
+    assert answer is not None  # the pipeline ends with a Done event
+    final = _response_object(body, raw, completion, answer, output).model_dump(mode="json")
     yield event("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
+
+
+class _StreamedMessage:
+    """The message item being streamed: its id, its place in ``output``, its text and logprobs so far."""
+
+    def __init__(self, item_id: str, index: int) -> None:
+        self.id, self.index = item_id, index
+        self.texts: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+
+    @property
+    def where(self) -> dict[str, Any]:
+        return {"item_id": self.id, "output_index": self.index}

@@ -35,10 +35,18 @@ COMPLETION_TOKENS_HEADER = "X-Art-Completion-Tokens"
 """Sampled token ids, summed over the ``n`` choices."""
 
 
-def call_headers(request_id: str, adapter_step: int, prompt_tokens: int, completion_tokens: int) -> dict[str, str]:
-    """The response headers that describe one recorded call."""
-    return {REQUEST_ID_HEADER: request_id, ADAPTER_STEP_HEADER: str(adapter_step),
-            PROMPT_TOKENS_HEADER: str(prompt_tokens), COMPLETION_TOKENS_HEADER: str(completion_tokens)}
+def call_headers(request_id: str, adapter_step: int, prompt_tokens: int,
+                 completion_tokens: int | None) -> dict[str, str]:
+    """The response headers that describe one recorded call.
+
+    ``completion_tokens`` is None for a live stream: its headers leave before the tokens are sampled (the
+    count is in the stream's usage chunk and in the record).
+    """
+    headers = {REQUEST_ID_HEADER: request_id, ADAPTER_STEP_HEADER: str(adapter_step),
+               PROMPT_TOKENS_HEADER: str(prompt_tokens)}
+    if completion_tokens is not None:
+        headers[COMPLETION_TOKENS_HEADER] = str(completion_tokens)
+    return headers
 
 
 ROLLOUT_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")

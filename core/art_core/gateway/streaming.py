@@ -1,104 +1,141 @@
-"""Server-sent events for ``stream=true``: a finished completion sent as OpenAI chunks.
+"""Server-sent events as they happen, and noticing a client that went away.
 
-The engine returns whole completions, so the stream starts only once generation is over; it then sends
-the completion token by token (tool calls as tool-call deltas), exactly as a live stream would look.
-Streaming while generating is future work: it needs a streaming ``Engine.generate``.
-
-The records are written before the first chunk, so a client that drops the stream loses nothing the
-trainer needs.
+``open_stream`` waits for a completion's first event (so a request the engine refuses still gets a plain
+HTTP error), then answers with an ``EventStream``: each chunk is sent as soon as the route renders it from
+the pipeline's events, while the client's channel is watched. When the client disconnects, the pipeline
+is cancelled at once: its engine rows stop at the next step and its record says ``cancelled``.
+``until_done`` does the same for a route that answers with one JSON object.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
-from .tokens import Detokenizer
-from .tool_calls import ContentDelta, StreamEvent, ToolCallStream
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
-__all__ = ["StreamedChoice", "sse_chunks"]
+from .errors import APIError, error_body
 
+__all__ = ["ClientGone", "EventStream", "open_stream", "sse", "until_done"]
 
-@dataclass(frozen=True)
-class StreamedChoice:
-    """What one choice's chunks are made of."""
+logger = logging.getLogger(__name__)
 
-    index: int
-    token_ids: list[int]
-    """Completion ids as the engine returned them (special tokens are dropped when decoding)."""
-    text: str
-    """The decoded completion the chunks must add up to (before tool-call parsing)."""
-    finish_reason: str
-    logprobs: list[dict[str, Any]] | None
-    """OpenAI token entries, one per visible token, or None when the client did not ask."""
-    tool_names: list[str] | None
-    """Tools offered (tool calls are parsed); None: the text is all content."""
-    tool_call_ids: list[str] = field(default_factory=list)
-    """Ids of the parsed tool calls, in order (the ones the record holds)."""
+T = TypeVar("T")
+E = TypeVar("E")
 
 
-def _sse(data: dict[str, Any] | str) -> bytes:
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready (the work was cancelled)."""
+
+
+def sse(data: dict[str, Any] | str, *, event: str | None = None) -> bytes:
+    """One server-sent event: an optional ``event:`` line, then ``data:`` with ``data`` as compact JSON."""
     text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {text}\n\n".encode()
+    head = f"event: {event}\n" if event is not None else ""
+    return f"{head}data: {text}\n\n".encode()
 
 
-async def sse_chunks(
-    choices: list[StreamedChoice],
-    *,
-    detokenizer: Detokenizer,
-    header: dict[str, Any],
-    usage: dict[str, int] | None,
-) -> AsyncIterator[bytes]:
-    """The SSE body: each choice's chunks in turn, the usage chunk (when asked for), then ``[DONE]``.
+async def until_done(request: Request, work: Awaitable[T]) -> T:
+    """``await work``, cancelled as soon as the client disconnects.
 
-    Args:
-        choices: the choices to send.
-        detokenizer: splits each completion into per-token text pieces.
-        header: fields every chunk repeats (id, object, created, model, system_fingerprint).
-        usage: token counts for the last chunk; None when ``stream_options.include_usage`` was not set.
+    Raises:
+        ClientGone: the client went away first (``work`` was cancelled and has finished cleaning up).
+    """
+    task = await _run_while_connected(request.receive, work)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def open_stream(request: Request, events: AsyncIterator[E],
+                      render: Callable[[AsyncIterator[E]], AsyncIterator[bytes]],
+                      headers: Callable[[], dict[str, str]] | None = None) -> EventStream:
+    """An ``EventStream`` of ``render(events)``, once the first event has come.
+
+    ``headers()`` is called then too: after admission, so what it reads (the adapter step) is what serves.
+
+    Raises:
+        ClientGone: the client went away before the first event.
+        APIError: the pipeline refused the request before its first event (sent as a plain error response).
+    """
+    async def first_event() -> E:
+        return await anext(events)
+
+    first = await until_done(request, first_event())
+
+    async def all_events() -> AsyncIterator[E]:
+        yield first
+        async with contextlib.aclosing(events):  # type: ignore[type-var]
+            async for event in events:
+                yield event
+
+    source = all_events()
+    return EventStream(render(source), source=source, headers=headers() if headers else None)
+
+
+class EventStream(StreamingResponse):
+    """``text/event-stream`` whose chunks go out as they are made; a client disconnect cancels their maker.
+
+    Starlette's ``StreamingResponse`` notices a disconnect only when a send fails; this one watches the
+    channel, so a silent wait (a long tool-call block being held back) is cut as soon as the client leaves.
+    An ``APIError`` raised mid-stream is sent as OpenAI's ``{"error": {...}}`` event, then the stream ends.
     """
 
-    def chunk(
-        index: int, delta: dict[str, Any], *, finish: str | None = None, logprobs: list[Any] | None = None
-    ) -> bytes:
-        choice = {"index": index, "delta": delta, "finish_reason": finish,
-                  "logprobs": {"content": logprobs, "refusal": None} if logprobs is not None else None}
-        return _sse({**header, "choices": [choice]})
+    def __init__(self, chunks: AsyncIterator[bytes], *, source: AsyncIterator[Any] | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        """``chunks``: the SSE body; ``source``: what it is rendered from, closed with it (a closed generator
+        does not close the one it was reading, and the source's clean-up records a cut completion)."""
+        super().__init__(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **(headers or {})})
+        self.source = source
 
-    for choice in choices:
-        yield chunk(choice.index, {"role": "assistant", "content": ""})
-        parser = ToolCallStream(tool_names=choice.tool_names, call_ids=choice.tool_call_ids) if choice.tool_names is not None else None
-        entries = choice.logprobs or []
-        pending: list[dict[str, Any]] = []  # logprob entries of tokens whose text has not gone out yet
-        used = 0
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
 
-        def deltas(events: list[StreamEvent]) -> list[dict[str, Any]]:
-            out: list[dict[str, Any]] = []
-            for event in events:
-                if isinstance(event, ContentDelta):
-                    out.append({"content": event.text})
-                else:  # a whole tool call: OpenAI sends its id and name first, then the arguments
-                    out.append({"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
-                                                "function": {"name": event.name, "arguments": ""}}]})
-                    out.append({"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]})
-            return out
+        async def pump() -> None:
+            chunks = self.body_iterator
+            try:
+                async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+                    async for chunk in chunks:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except APIError as exc:
+                logger.warning("stream ended by an error: %s", exc.message)
+                await send({"type": "http.response.body", "more_body": True, "body": sse(
+                    error_body(exc.message, type=exc.type, param=exc.param, code=exc.code))})
+            finally:
+                if self.source is not None:
+                    await self.source.aclose()  # type: ignore[attr-defined]
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-        for piece, count in detokenizer.text_pieces(choice.token_ids, choice.text):
-            pending += entries[used : used + count]
-            used += count
-            events = parser.feed(piece) if parser is not None else ([ContentDelta(piece)] if piece else [])
-            for delta in deltas(events):
-                lp = pending if choice.logprobs is not None else None
-                yield chunk(choice.index, delta, logprobs=lp)
-                pending = []
-        for delta in deltas(parser.finish() if parser is not None else []):
-            yield chunk(choice.index, delta, logprobs=pending if choice.logprobs is not None else None)
-            pending = []
-        pending += entries[used:]
-        yield chunk(choice.index, {}, finish=choice.finish_reason,
-                    logprobs=pending if choice.logprobs is not None and pending else None)
-    if usage is not None:
-        yield _sse({**header, "choices": [], "usage": usage})
-    yield _sse("[DONE]")
+        task = await _run_while_connected(receive, pump())
+        if not task.cancelled() and task.exception() is not None:  # the client is gone, or the route failed
+            logger.warning("stream stopped: %s: %s", type(task.exception()).__name__, task.exception())
+
+
+async def _run_while_connected(receive: Receive, work: Awaitable[T]) -> asyncio.Future[T]:
+    """Run ``work`` until it ends, or until the client disconnects (then it is cancelled and waited for).
+
+    Returns:
+        Its finished task: cancelled when the client left first.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return task
+
+
+async def _disconnected(receive: Receive) -> None:
+    # The request body has been read, so the next message on the channel is the client's disconnect.
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -6,14 +6,14 @@ the ids it records are exactly the ids the engine ran.
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
+from ..messages import template_messages
 from .errors import APIError
 
-__all__ = ["Detokenizer", "render_prompt", "template_message"]
+__all__ = ["Detokenizer", "TextStream", "render_prompt"]
 
 logger = logging.getLogger(__name__)
 
@@ -22,37 +22,10 @@ logger = logging.getLogger(__name__)
 _KEEP_SPECIAL = ("<tool_call>", "</tool_call>", "<|python_tag|>")
 
 
-def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    """One validated OpenAI message as chat templates expect it.
-
-    ``developer`` becomes ``system`` (OpenAI's newer name for the same turn; templates know only the
-    old one). Tool-call arguments arrive as JSON text and are parsed to dicts, the form templates render
-    with ``tojson``; text that is not a JSON object is passed on verbatim.
-    """
-    role = "system" if message["role"] == "developer" else message["role"]
-    out: dict[str, Any] = {"role": role, "content": message.get("content")}
-    if message.get("tool_calls"):
-        calls = []
-        for call in message["tool_calls"]:
-            function = dict(call["function"])
-            arguments = function.get("arguments")
-            if isinstance(arguments, str):
-                try:
-                    parsed = json.loads(arguments)
-                except ValueError:
-                    parsed = None
-                if isinstance(parsed, dict):
-                    function["arguments"] = parsed
-            calls.append({"id": call.get("id"), "type": "function", "function": function})
-        out["tool_calls"] = calls
-    for key in ("tool_call_id", "name"):
-        if message.get(key) is not None:
-            out[key] = message[key]
-    return out
-
-
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
     """Prompt token ids: the conversation through the chat template, ending with the assistant's header.
+
+    ``messages`` are OpenAI chat messages; ``art_core.messages.template_messages`` converts them first.
 
     Raises:
         APIError: 422 when the template refuses the conversation (e.g. an image part for a text model);
@@ -61,7 +34,8 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[di
     try:
         # Render to text, then encode: what apply_chat_template(tokenize=True) does (add_special_tokens=False),
         # without the ~0.2 ms its general __call__ path (padding, truncation, BatchEncoding) adds per request.
-        text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(template_messages(messages), tools=tools or None,
+                                             add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # jinja's TemplateError, raise_exception(), or a template tripping on odd input
         logger.info("chat template refused a request: %s: %s", type(exc).__name__, exc)
         raise APIError(
@@ -155,6 +129,70 @@ class Detokenizer:
             prefix, read = read, end
         if sent < len(text) or read < len(ids):
             yield text[sent:], len(ids) - read
+
+
+class TextStream:
+    """A completion's text as its tokens arrive: pieces safe to send now, never taken back.
+
+    A token is held while it ends in half a UTF-8 character, and text is held while it may be the start
+    of a stop string (the stop string itself is never sent, as in OpenAI's API). ``final`` is the whole
+    completion's text, decoded at once and cut at the first stop string: what the record and the parsed
+    reply hold. Pieces add up to a prefix of it (decoding a window agrees with decoding the whole for
+    byte-level BPE); ``rest`` sends what is left.
+
+    Args:
+        detokenizer: the gateway's ``Detokenizer``.
+        stop: the request's stop strings.
+    """
+
+    def __init__(self, detokenizer: Detokenizer, stop: tuple[str, ...]) -> None:
+        self._detokenizer = detokenizer
+        self._stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._ids: list[int] = []  # visible ids so far
+        self._prefix = self._read = 0  # window of ids decoded for the next piece, as in text_pieces
+        self._text = ""  # decoded so far (may run past a stop string)
+        self._sent = 0  # characters of _text handed out
+        self.stopped = False
+        """A stop string has appeared: nothing after it goes out."""
+
+    def feed(self, ids: list[int]) -> str:
+        """Take newly sampled ids; return the text that can go out now (often one token's, or '')."""
+        visible = self._detokenizer.visible(ids)
+        if not visible or self.stopped:
+            return ""
+        self._ids += visible
+        decode = self._detokenizer.tokenizer.decode
+        before = decode(self._ids[self._prefix : self._read], skip_special_tokens=False)
+        after = decode(self._ids[self._prefix :], skip_special_tokens=False)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self._text += after[len(before) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        cuts = [self._text.find(s) for s in self._stop if s in self._text]
+        if cuts:
+            self.stopped = True
+            safe = min(cuts)
+        else:
+            safe = len(self._text) - self._hold
+        if safe <= self._sent:
+            return ""
+        piece, self._sent = self._text[self._sent : safe], safe
+        return piece
+
+    def final(self, all_ids: list[int]) -> str:
+        """The whole completion's text (decoded at once, cut at the first stop string)."""
+        text = self._detokenizer.decode(all_ids)
+        cuts = [text.find(s) for s in self._stop if s in text]
+        return text[: min(cuts)] if cuts else text
+
+    def rest(self, final: str) -> str:
+        """What is left to send of ``final`` after the pieces already sent."""
+        sent = self._text[: self._sent]
+        if not final.startswith(sent):  # never expected for byte-level BPE; the pieces cannot be taken back
+            logger.error("streamed text pieces are not a prefix of the decoded completion")
+            return ""
+        return final[len(sent) :]
 
 
 def _bytes_to_unicode() -> dict[int, str]:

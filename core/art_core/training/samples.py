@@ -17,12 +17,12 @@ including its end-of-turn token), never system, user or tool tokens.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import TrajectoryError
-from ..types import CallRecord, History, Message, Trajectory
+from ..messages import template_messages
+from ..types import CallRecord, History, Trajectory
 
 __all__ = ["Sample", "trajectory_samples"]
 
@@ -134,7 +134,7 @@ def _samples_by_rerendering(trajectory_id: str, history: History, tokenizer: Any
             f"trajectory {trajectory_id!r} has no token-exact call records, and no tokenizer was given to "
             "re-render its messages; record calls through the gateway, or pass the tokenizer"
         )
-    messages = [_template_message(m) for m in history.messages]
+    messages = template_messages(m.model_dump(exclude_none=True) for m in history.messages)
     tools = history.tools or None
 
     def render(upto: int, generation_prompt: bool) -> str:
@@ -175,26 +175,3 @@ def _samples_by_rerendering(trajectory_id: str, history: History, tokenizer: Any
                    for start, end in encoding["offset_mapping"]]
         samples.append(Sample(trajectory_id, ids, trained, [NAN] * len(ids), rerendered=True))
     return samples
-
-
-def _template_message(message: Message) -> dict[str, Any]:
-    """A message as chat templates expect it: text content, tool-call arguments as objects."""
-    out: dict[str, Any] = {"role": message.role, "content": message.text()}
-    if message.tool_calls:
-        out["tool_calls"] = [
-            {"id": c.id, "type": "function",
-             "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
-            for c in message.tool_calls
-        ]
-    if message.tool_call_id is not None:
-        out["tool_call_id"] = message.tool_call_id
-    if message.name is not None:
-        out["name"] = message.name
-    return out
-
-
-def _json_or_text(arguments: str) -> Any:
-    try:
-        return json.loads(arguments)
-    except json.JSONDecodeError:
-        return arguments

@@ -25,7 +25,7 @@ from .forward import SharedPrefix, micro_batch_logprobs
 from .losses import LossInputs, build_loss
 from .samples import Sample, trajectory_samples
 
-__all__ = ["GRPOTrainer", "ZeroVarianceGroupsWarning", "load_policy"]
+__all__ = ["GRPOTrainer", "ZeroVarianceGroupsWarning", "check_config", "load_policy"]
 
 StepMetrics = dict[str, float]
 Progress = Callable[[int, int], None]
@@ -33,6 +33,70 @@ Progress = Callable[[int, int], None]
 
 class ZeroVarianceGroupsWarning(UserWarning):
     """Some groups had equal rewards for every trajectory: they carry no signal and were dropped."""
+
+
+def check_config(config: TrainConfig) -> None:
+    """Check what ``TrainConfig`` cannot check by itself (the loss and its ``loss_options``), before any work.
+
+    Raises:
+        ConfigError: the loss refuses an option or a value (the message names it and lists the accepted ones).
+    """
+    build_loss(config.loss, beta=config.beta, tis_cap=config.tis_cap, **config.loss_options)
+
+
+class _StepStats:
+    """A step's running sums, kept as tensors on the device; read once, at the end of the step.
+
+    Reading a tensor's value (``.item()``) waits for the device to finish its queued work; doing it a dozen
+    times per micro-batch stalls every step. Here each micro-batch only adds tensors, and ``read()`` is the
+    step's one sync point.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        zero = torch.zeros((), device=device)
+        self.losses: list[torch.Tensor] = []  # one 0-dim loss per micro-batch, to name the first non-finite one
+        self.sums: dict[str, torch.Tensor] = {}
+        self.entropy = zero.clone()
+        self.sampler_diff = zero.clone()
+        self.sampler_tokens = zero.clone()
+        self.ratio_max = torch.full((), -math.inf, device=device)
+        self.ratio_min = torch.full((), math.inf, device=device)
+
+    def add(self, loss: torch.Tensor, stats: dict[str, torch.Tensor], entropy: torch.Tensor | None,
+            mask: torch.Tensor, logprobs: torch.Tensor, sampler_logprobs: torch.Tensor) -> None:
+        """One micro-batch's loss, its loss stats, and its per-token tensors (``[B, T]``)."""
+        self.losses.append(loss.detach())
+        for key, value in stats.items():
+            if key == "ratio_max":
+                self.ratio_max = torch.maximum(self.ratio_max, value)
+            elif key == "ratio_min":
+                self.ratio_min = torch.minimum(self.ratio_min, value)
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + value
+        if entropy is not None:
+            self.entropy += (entropy.detach() * mask).sum()
+        known = (mask > 0) & ~torch.isnan(sampler_logprobs)  # [B, T] tokens the sampler reported a logprob for
+        gap = torch.where(known, (logprobs.detach() - sampler_logprobs).abs(), torch.zeros_like(logprobs))
+        self.sampler_diff += gap.sum()
+        self.sampler_tokens += known.sum()
+
+    def read(self, grad_norm: torch.Tensor) -> dict[str, Any]:
+        """The sums and ``grad_norm`` as Python numbers: the step's one device sync.
+
+        Returns:
+            ``losses`` (one per micro-batch), ``grad_norm``, ``entropy``, ``sampler_diff``, ``sampler_tokens``,
+            ``ratio_max``, ``ratio_min`` and the loss's summed stats by name.
+        """
+        keys = sorted(self.sums)
+        scalars = [grad_norm, self.entropy, self.sampler_diff, self.sampler_tokens, self.ratio_max, self.ratio_min,
+                   *(self.sums[k] for k in keys)]
+        device = self.entropy.device
+        values = torch.stack([*self.losses, *(t.float().to(device) for t in scalars)]).tolist()  # the sync
+        losses, rest = values[: len(self.losses)], values[len(self.losses) :]
+        grad, entropy, diff, known, ratio_max, ratio_min, *sums = rest
+        return {"losses": losses, "grad_norm": grad, "entropy": entropy, "sampler_diff": diff,
+                "sampler_tokens": known, "ratio_max": ratio_max, "ratio_min": ratio_min,
+                **dict(zip(keys, sums, strict=True))}
 
 
 def load_policy(base_dir: Path, lora: LoraSettings, *, device: str, adapter_dir: Path | None = None) -> tuple[Any, Any]:
@@ -155,10 +219,8 @@ class GRPOTrainer:
 
         # 3. loss: forward + backward per micro-batch; the micro-batch losses of a step add up to its loss
         self.model.train()
-        totals: dict[str, float] = {}
-        loss_sum, entropy_sum, sampler_diff, sampler_n, done = 0.0, 0.0, 0.0, 0, 0
-        ratio_max, ratio_min = -math.inf, math.inf
-        forward_tokens = 0
+        stats = _StepStats(next(iter(self.params)).device)
+        done = forward_tokens = 0
         try:
             for pg in plan:
                 prefix = SharedPrefix(self.model, pg.prefix_ids, grad=True) if pg.prefix_ids else None
@@ -174,47 +236,37 @@ class GRPOTrainer:
                         with torch.no_grad(), self.model.disable_adapter():
                             ref = micro_batch_logprobs(self.model, mb, ref_prefix).logprobs
                     device = out.logprobs.device
-                    mask = mb.trained.to(device)
+                    mask = mb.trained.to(device)  # [B, T]
+                    sampler = mb.sampler_logprobs.to(device)  # [B, T], NaN where the sampler gave none
                     result = loss_fn(LossInputs(
                         logprobs=out.logprobs, old_logprobs=out.logprobs.detach(),  # on-policy: one step per batch
                         advantages=mb.advantages.to(device), mask=mask,
                         num_sequences=num_sequences, num_tokens=num_tokens,
-                        sampler_logprobs=mb.sampler_logprobs.to(device), ref_logprobs=ref))
-                    if not torch.isfinite(result.loss):
-                        raise TrainingError(f"the {config.loss} loss is {result.loss.item()} on micro-batch {done + 1} "
-                                            "of this step; the step was not applied (check rewards and learning rate)")
-                    result.loss.backward()
-                    loss_sum += result.loss.item()
-                    for key, value in result.stats.items():
-                        if key == "ratio_max":
-                            ratio_max = max(ratio_max, value.item())
-                        elif key == "ratio_min":
-                            ratio_min = min(ratio_min, value.item())
-                        else:
-                            totals[key] = totals.get(key, 0.0) + value.item()
-                    entropy_sum += (out.entropy * mask).sum().item() if out.entropy is not None else 0.0
-                    known = (mask > 0) & ~torch.isnan(mb.sampler_logprobs.to(device))
-                    if known.any():
-                        sampler_diff += (out.logprobs.detach() - mb.sampler_logprobs.to(device))[known].abs().sum().item()
-                        sampler_n += int(known.sum().item())
-                    forward_tokens += int(mb.attention_mask.sum().item())
+                        sampler_logprobs=sampler, ref_logprobs=ref))
+                    result.loss.backward()  # a non-finite loss is caught at the step's sync, before the update
+                    stats.add(result.loss, result.stats, out.entropy, mask, out.logprobs, sampler)
+                    forward_tokens += int(mb.attention_mask.sum())  # a host tensor: no device sync
                     done += 1
                     if progress:
                         progress(done, total_batches)
                 if prefix is not None:
                     prefix.backward()
+            t_backward = time.perf_counter()
+
+            # 4. optimizer step, with clipping, once the step's numbers are known to be finite
+            optimizer = self._optimizer(config)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, config.max_grad_norm or math.inf)
+            totals = stats.read(grad_norm)  # --- the step's one device sync: every running sum read at once ---
+            bad = next((i for i, value in enumerate(totals["losses"]) if not math.isfinite(value)), None)
+            if bad is not None:
+                raise TrainingError(f"the {config.loss} loss is {totals['losses'][bad]} on micro-batch {bad + 1} "
+                                    "of this step; the step was not applied (check rewards and learning rate)")
+            if not math.isfinite(totals["grad_norm"]):
+                raise TrainingError(f"gradient norm is {totals['grad_norm']}; the step was not applied "
+                                    "(lower the learning rate, or check for NaN log-probs in the records)")
         except BaseException:
             self.model.zero_grad(set_to_none=True)  # leave no half-accumulated gradient behind
             raise
-        t_backward = time.perf_counter()
-
-        # 4. optimizer step, with clipping
-        optimizer = self._optimizer(config)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, config.max_grad_norm or math.inf)
-        if not torch.isfinite(grad_norm):
-            self.model.zero_grad(set_to_none=True)
-            raise TrainingError(f"gradient norm is {grad_norm.item()}; the step was not applied "
-                                "(lower the learning rate, or check for NaN log-probs in the records)")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         t_end = time.perf_counter()
@@ -222,22 +274,23 @@ class GRPOTrainer:
         # 5. metrics
         metrics.update(
             trained=1.0,
-            loss=loss_sum,
+            loss=math.fsum(totals["losses"]),
             samples=float(num_sequences),
             samples_rerendered=float(sum(s.rerendered for s in all_samples)),
             trained_tokens=float(num_tokens),
             forward_tokens=float(forward_tokens),
             micro_batches=float(total_batches),
-            entropy=entropy_sum / max(num_tokens, 1),
+            entropy=totals["entropy"] / max(num_tokens, 1),
             ratio_mean=totals.get("ratio_sum", 0.0) / max(num_tokens, 1),
-            ratio_max=ratio_max if ratio_max > -math.inf else 1.0,
-            ratio_min=ratio_min if ratio_min < math.inf else 1.0,
+            ratio_max=totals["ratio_max"] if totals["ratio_max"] > -math.inf else 1.0,
+            ratio_min=totals["ratio_min"] if totals["ratio_min"] < math.inf else 1.0,
             clip_fraction=totals.get("clipped_tokens", 0.0) / max(num_tokens, 1),
             kl=totals.get("kl_sum", 0.0) / max(num_tokens, 1),
             is_weight_mean=totals.get("is_weight_sum", 0.0) / max(num_tokens, 1),
             is_truncated_fraction=totals.get("is_truncated_tokens", 0.0) / max(num_tokens, 1),
-            sampler_logprob_abs_diff=sampler_diff / sampler_n if sampler_n else math.nan,
-            grad_norm=grad_norm.item(),
+            sampler_logprob_abs_diff=totals["sampler_diff"] / totals["sampler_tokens"] if totals["sampler_tokens"]
+            else math.nan,
+            grad_norm=totals["grad_norm"],
             seconds_prepare=t_prepared - t_start,
             seconds_forward_backward=t_backward - t_prepared,
             seconds_optimizer=t_end - t_backward,
