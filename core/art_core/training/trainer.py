@@ -74,11 +74,14 @@ class GRPOTrainer:
     Args:
         model: a PEFT model whose adapter parameters are trainable.
         tokenizer: its tokenizer (used for re-rendering histories recorded without token ids).
+        share_prefix: allow ``TrainConfig.share_prefix`` (a group's prompt run once, its KV cache reused with
+            gradients). False for models whose forward cannot take that cache (Unsloth's); default True.
     """
 
-    def __init__(self, model: Any, tokenizer: Any) -> None:
+    def __init__(self, model: Any, tokenizer: Any, *, share_prefix: bool = True) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self.share_prefix = share_prefix
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise TrainingError("the model has no trainable parameter: was the adapter loaded with is_trainable=True?")
@@ -149,14 +152,14 @@ class GRPOTrainer:
         num_sequences = len(all_samples)
         num_tokens = sum(s.num_trained for s in all_samples)
         plan = plan_micro_batches(sample_groups, token_budget=config.micro_batch_tokens,
-                                  share_prefix=config.share_prefix, pad_token_id=self._pad_id())
+                                  share_prefix=config.share_prefix and self.share_prefix, pad_token_id=self._pad_id())
         total_batches = sum(len(pg.micro_batches) for pg in plan)
         t_prepared = time.perf_counter()
 
         # 3. loss: forward + backward per micro-batch; the micro-batch losses of a step add up to its loss
         self.model.train()
         totals: dict[str, float] = {}
-        loss_sum, entropy_sum, sampler_diff, sampler_n, done = 0.0, 0.0, 0.0, 0, 0
+        loss_sum, entropy_sum, sampler_diff, sampler_max, sampler_n, done = 0.0, 0.0, 0.0, 0.0, 0, 0
         ratio_max, ratio_min = -math.inf, math.inf
         forward_tokens = 0
         try:
@@ -195,7 +198,9 @@ class GRPOTrainer:
                     entropy_sum += (out.entropy * mask).sum().item() if out.entropy is not None else 0.0
                     known = (mask > 0) & ~torch.isnan(mb.sampler_logprobs.to(device))
                     if known.any():
-                        sampler_diff += (out.logprobs.detach() - mb.sampler_logprobs.to(device))[known].abs().sum().item()
+                        gap = (out.logprobs.detach() - mb.sampler_logprobs.to(device))[known].abs()  # [N]
+                        sampler_diff += gap.sum().item()
+                        sampler_max = max(sampler_max, gap.max().item())
                         sampler_n += int(known.sum().item())
                     forward_tokens += int(mb.attention_mask.sum().item())
                     done += 1
@@ -237,6 +242,7 @@ class GRPOTrainer:
             is_weight_mean=totals.get("is_weight_sum", 0.0) / max(num_tokens, 1),
             is_truncated_fraction=totals.get("is_truncated_tokens", 0.0) / max(num_tokens, 1),
             sampler_logprob_abs_diff=sampler_diff / sampler_n if sampler_n else math.nan,
+            sampler_logprob_max_abs_diff=sampler_max if sampler_n else math.nan,
             grad_norm=grad_norm.item(),
             seconds_prepare=t_prepared - t_start,
             seconds_forward_backward=t_backward - t_prepared,
