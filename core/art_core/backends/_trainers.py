@@ -74,7 +74,7 @@ def _load_unsloth(base_dir: Path, lora: LoraSettings, device: str, adapter_dir: 
     model, tokenizer = FastLanguageModel.from_pretrained(
         model_name=str(base_dir), dtype=torch.bfloat16, load_in_4bit=False,
         max_seq_length=8192,  # TrainConfig.max_sequence_length's default: longer samples are refused anyway
-        device_map={"": device}, local_files_only=True)
+        device_map={"": device})
     model = FastLanguageModel.get_peft_model(
         model, r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
         target_modules=_present_modules(model, lora.target_modules),

@@ -398,7 +398,8 @@ class VLLMEngine:
         self._open.set()
 
     async def health(self) -> dict[str, Any]:
-        """``pid``, ``port``, ``adapter_step``, ``alive`` (process running and ``/health`` answering), and more."""
+        """``pid``, ``port``, ``adapter_step``, ``alive`` (process running and ``/health`` answering), ``sleeping``,
+        ``log_path``, and more."""
         alive = False
         if self._state is _State.RUNNING and self.process.poll() is None:
             with contextlib.suppress(httpx.HTTPError):
@@ -410,6 +411,7 @@ class VLLMEngine:
             "model": self._model_name,
             "alive": alive,
             "paused": not self._open.is_set(),
+            "sleeping": self._sleeping,
             "in_flight": sum(self._in_flight.values()),
             "log_path": str(self.log_path),
         }
