@@ -22,6 +22,12 @@ def vllm_venv() -> Path:
 
 
 @pytest.fixture(scope="session")
+def vllm_venv_or_none() -> Path | None:
+    """The vLLM venv, or None where it is not built (for tests that check it only when present)."""
+    return VLLM_VENV if (VLLM_VENV / "bin" / "python").is_file() else None
+
+
+@pytest.fixture(scope="session")
 def tiny64_model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random 2-layer Qwen2 (hidden 128, two heads of 64) with SmolLM2's tokenizer and tool template.
 

