@@ -5,7 +5,7 @@ Importing this package does not import torch: the training stack loads when a ba
 
 from typing import TYPE_CHECKING, Any
 
-from .backends import Backend, LocalBackend, ModelSpec, TrainResult
+from .backends import Backend, LocalBackend, ModelSpec, TrainResult, VLLMOptions
 from .config import LoraSettings, TrainConfig
 from .errors import (
     ArtError,
@@ -65,6 +65,7 @@ __all__ = [
     "Trajectory",
     "TrajectoryError",
     "TrajectoryGroup",
+    "VLLMOptions",
     "read_groups_jsonl",
     "ruler_score_group",
     "score_group",

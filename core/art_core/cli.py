@@ -1,4 +1,4 @@
-"""The ``art-core`` command line: ``art-core demo``, ``art-core models``, ``art-core serve``."""
+"""The ``art-core`` command line: ``art-core demo``, ``art-core models``, ``art-core serve``, ``art-core export``."""
 
 from __future__ import annotations
 
@@ -68,6 +68,33 @@ def serve(
         typer.secho(str(exc), fg="red", err=True)
         raise typer.Exit(2) from exc
     run_forever(settings)
+
+
+@app.command()
+def export(
+    source: Path = typer.Argument(..., help="A model folder (<path>/<project>/models/<name>) or one of its "
+                                            "checkpoints/NNNN folders."),
+    out: Path = typer.Argument(..., help="The folder to write (new, or empty)."),
+    step: int = typer.Option(None, help="Which checkpoint of a model folder (default: the latest)."),
+    merged: bool = typer.Option(False, "--merged", help="Merge the adapter into the base model and write a full "
+                                                         "Hugging Face model folder (default: the PEFT adapter alone)."),
+    base_model: str = typer.Option(None, help="Base model for --merged: a registered name or a local folder "
+                                              "(default: the one the adapter records)."),
+    dtype: str = typer.Option("float32", help="Weights of the merged model: float32, bfloat16 or float16."),
+) -> None:
+    """Write a checkpoint as a plain PEFT adapter folder, or merged into its base model (loads in vLLM and transformers)."""
+    from .errors import ArtError
+    from .export import export_adapter, export_merged, find_checkpoint
+
+    try:
+        checkpoint = find_checkpoint(source, step)
+        written = (export_merged(checkpoint, out, base_model=base_model, dtype=dtype) if merged
+                   else export_adapter(checkpoint, out))
+    except ArtError as exc:
+        typer.secho(f"error: {exc}", fg="red", err=True)
+        raise typer.Exit(1) from exc
+    kind = "merged model" if merged else "PEFT adapter"
+    typer.echo(f"wrote {kind} of {checkpoint} to {written}")
 
 
 if __name__ == "__main__":

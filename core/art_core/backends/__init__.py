@@ -1,17 +1,19 @@
 """Where training runs. ``Backend`` is the contract ``TrainableModel`` talks to; ``LocalBackend`` implements it
-in this process, ``RemoteBackend`` on an ``art-core serve`` server (it needs ``art-core[serve]``, for httpx)."""
+in this process, ``RemoteBackend`` on an ``art-core serve`` server (it needs ``art-core[serve]``, for httpx).
+``LocalBackend`` takes a choice of inference engine and trainer (``VLLMOptions`` configures vLLM)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ._engines import VLLMOptions
 from .base import Backend, ModelSpec, TrainResult
 from .local import LocalBackend
 
 if TYPE_CHECKING:
     from .remote import RemoteBackend
 
-__all__ = ["Backend", "LocalBackend", "ModelSpec", "RemoteBackend", "TrainResult"]
+__all__ = ["Backend", "LocalBackend", "ModelSpec", "RemoteBackend", "TrainResult", "VLLMOptions"]
 
 
 def __getattr__(name: str) -> Any:

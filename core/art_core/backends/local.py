@@ -1,34 +1,45 @@
-"""``LocalBackend``: trains and samples in this process, on CPU or the local GPU.
+"""``LocalBackend``: trains in this process and serves through an engine of your choice, on CPU or local GPUs.
 
-Per model it keeps one PEFT model that the trainer and the engine share, serves it through an
-OpenAI-compatible gateway on 127.0.0.1 (``model.base_url``), and owns the on-disk layout
-``<path>/<project>/models/<name>/{checkpoints/NNNN, trajectories/, records.jsonl, history.jsonl}``.
-A training step pauses the gateway (requests wait, they do not fail), trains the shared weights, writes
-the checkpoint, and resumes only once the engine reports the new step.
+Per model it keeps a trainer (``trainer="peft"`` or ``"unsloth"``, see ``_trainers.py``) and an inference
+engine (``inference="transformers"`` or ``"vllm"``, see ``_engines.py``), serves the engine through an
+OpenAI-compatible gateway (``model.base_url``), and owns the on-disk layout
+``<path>/<project>/models/<name>/{checkpoints/NNNN, trajectories/, records.jsonl, history.jsonl, logs/}``.
+
+A training step, top to bottom (``train``):
+
+1. pause: the gateway stops admitting requests (they wait, they do not fail), in-flight ones finish, and the
+   engine pauses (a vLLM sharing the trainer's GPU also sleeps, freeing its memory);
+2. the step's groups go to ``trajectories/NNNN.jsonl``, one GRPO step runs, ``checkpoints/NNNN`` is written;
+3. publish: the engine takes the checkpoint (vLLM hot-loads it; the transformers engine that decodes the
+   trainer's own module just records the step);
+4. resume: the gateway checks the engine serves the new step, then releases the held requests.
+
+If publishing fails (the adapter does not load, the vLLM process died), the trajectories and checkpoint stay
+on disk, the gateway stays paused (it never serves the old step as if it were the new one), and ``train``
+raises the engine's error; ``sample`` raises it too. A later successful step resumes serving.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..config import TrainConfig
 from ..engines.base import SamplingParams
-from ..errors import ConfigError, LifecycleError
+from ..errors import ConfigError, EngineError, LifecycleError
 from ..messages import template_messages
 from ..types import CallRecord, Message, Trajectory, TrajectoryGroup, trace_links, write_groups_jsonl
-
+from ._engines import EngineContext, Serving, VLLMOptions, inference_choice
 from ._progress import progress_bar
+from ._trainers import trainer_choice
 from .base import ModelSpec, TrainResult
 
 if TYPE_CHECKING:
-    from ..engines.transformers import TransformersEngine
     from ..gateway import Gateway
     from ..gateway.records import ExchangeRecord
     from ..training.trainer import GRPOTrainer
@@ -41,11 +52,21 @@ T = TypeVar("T")
 @dataclass
 class _Slot:
     trainer: GRPOTrainer
-    engine: TransformersEngine
+    serving: Serving
     model_dir: Path
     step: int
-    lock: threading.Lock
+    """The latest checkpoint written (what the engine serves, unless publishing it failed: see ``error``)."""
+    stepping: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """One training step at a time per model."""
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set while no step is running; ``sample`` waits for it."""
+    error: BaseException | None = None
+    """Why the engine does not serve ``step`` (a failed publish); requests stay held until a step succeeds."""
     gateway: Gateway | None = None
+
+    @property
+    def engine(self) -> Any:
+        return self.serving.engine
 
 
 class LocalBackend:
@@ -53,27 +74,68 @@ class LocalBackend:
 
     Args:
         path: root folder of projects (checkpoints, trajectories, history).
-        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default: CUDA when available, else CPU.
-        num_threads: torch threads while this backend computes (restored after each call); default:
+        inference: the engine that serves rollouts: ``"transformers"`` (in process; default, best on CPU and
+            for small models) or ``"vllm"`` (a vLLM subprocess that hot-loads each checkpoint; fastest rollouts,
+            the choice on GPUs). See ``art_core.backends._engines`` for the layouts.
+        trainer: how the LoRA step runs: ``"peft"`` (transformers + PEFT, CPU or GPU; default) or
+            ``"unsloth"`` (Unsloth's kernels, NVIDIA GPUs only, ``art-core[unsloth]``).
+        device: the trainer's device, ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default: CUDA when available,
+            else CPU.
+        inference_device: the engine's device; default: ``device``. With ``inference="vllm"`` on CUDA, the
+            trainer's GPU gives the shared layout (vLLM sleeps during steps), another GPU the dedicated one.
+        vllm: how vLLM is started (its venv, ``gpu_memory_utilization``, dtype, extra arguments).
+        host: the gateway's address. Anything but loopback needs ``api_key``.
+        api_key: bearer token the gateway requires (``model.api_key`` hands it to the adapters).
+        default_max_tokens: ``max_tokens`` of requests that set none; agents written for hosted models
+            rarely set it, and a small model may ramble until this limit. Default: 1024 (the gateway's).
+        max_tokens_limit: the largest ``max_tokens`` a request may ask for (more gets 400). Default: 4096.
+        num_threads: torch threads while this backend loads and trains (restored after each call); default:
             leave torch's setting. On a small shared CPU, fewer threads than cores avoids collapse.
         show_progress: show a progress bar during training steps.
         serve: start an OpenAI-compatible gateway for each registered model (needs ``art-core[serve]``).
         gateway_mount: serve each gateway inside the caller's ASGI app rather than on a loopback port of its
             own: called with the model's spec, it returns the URL the caller serves ``gateway(model).app`` at
             (``art-core serve`` puts every model's gateway on its one port this way). None: own ports.
+
+    Raises:
+        ConfigError: an unknown ``inference`` or ``trainer`` name, a choice that cannot run here (Unsloth
+            without an NVIDIA GPU, vLLM without its venv), or invalid gateway settings. Nothing is loaded.
     """
 
-    def __init__(self, *, path: str | Path = ".art", device: str | None = None,
-                 num_threads: int | None = None, show_progress: bool = True, serve: bool = True,
-                 gateway_mount: Callable[[ModelSpec], str] | None = None) -> None:
+    def __init__(self, *, path: str | Path = ".art", inference: str = "transformers", trainer: str = "peft",
+                 device: str | None = None, inference_device: str | None = None, vllm: VLLMOptions | None = None,
+                 host: str = "127.0.0.1", api_key: str | None = None, default_max_tokens: int | None = None,
+                 max_tokens_limit: int | None = None, num_threads: int | None = None, show_progress: bool = True,
+                 serve: bool = True, gateway_mount: Callable[[ModelSpec], str] | None = None) -> None:
+        self.inference = inference
+        self.trainer = trainer
+        self._inference = inference_choice(inference)
+        self._trainer = trainer_choice(trainer)
+        self.vllm = vllm or VLLMOptions()
+        self._trainer.check(device)
+        self._inference.check(self.vllm)
         self.serve = serve
         self.gateway_mount = gateway_mount
         self.path = Path(path)
         self.device = device
+        self.inference_device = inference_device
         self.num_threads = num_threads
         self.show_progress = show_progress
+        self._gateway_options: dict[str, Any] = {"host": host, "api_key": api_key}
+        if default_max_tokens is not None:
+            self._gateway_options["default_max_tokens"] = default_max_tokens
+        if max_tokens_limit is not None:
+            self._gateway_options["max_tokens_limit"] = max_tokens_limit
+        if serve:
+            from ..gateway.settings import GatewaySettings
+
+            GatewaySettings(**self._gateway_options)  # checked now: a bad host or limit fails before any load
         self._slots: dict[tuple[str, str], _Slot] = {}
         self._closed = False
+
+    def __repr__(self) -> str:
+        return (f"LocalBackend(path={str(self.path)!r}, inference={self.inference!r}, trainer={self.trainer!r}, "
+                f"models={len(self._slots)})")
 
     async def __aenter__(self) -> LocalBackend:
         return self
@@ -101,9 +163,14 @@ class LocalBackend:
         if key in self._slots:
             raise LifecycleError(f"a model named {model.name!r} in project {model.project!r} is already "
                                  "registered with this backend")
-        slot = await asyncio.to_thread(self._with_threads, lambda: self._load(model))
-        if self.serve:
-            slot.gateway = await self._start_gateway(model, slot)
+        slot = await self._load(model)
+        try:
+            if self.serve:
+                slot.gateway = await self._start_gateway(model, slot)
+        except BaseException:
+            await slot.engine.aclose()
+            raise
+        slot.ready.set()
         self._slots[key] = slot
         return slot.step
 
@@ -127,40 +194,89 @@ class LocalBackend:
 
         slot = self._slot(model)
         check_config(config)  # a bad loss option fails here, before the gateway pauses or anything is written
-        if slot.gateway is not None:
-            await slot.gateway.pause_for_training()  # in-flight requests finish; new ones wait
+        async with slot.stepping:
+            slot.ready.clear()
+            try:
+                return await self._step(slot, list(groups), config, progress)
+            finally:
+                slot.ready.set()
+
+    async def _step(self, slot: _Slot, groups: list[TrajectoryGroup], config: TrainConfig,
+                    report: Callable[[int, int], None] | None) -> TrainResult:
+        # 1. pause: requests wait (they do not fail); the engine drains and, on a shared GPU, sleeps
+        await self._pause(slot)
+
+        # 2. trajectories to disk, one GRPO step, the checkpoint (a worker thread: the loop keeps serving I/O)
         try:
-            metrics, step = await asyncio.to_thread(self._with_threads,
-                                                    lambda: self._train_sync(slot, list(groups), config, progress))
-            return TrainResult(metrics=metrics, step=step)
-        finally:
-            if slot.gateway is not None:
-                # Checks that the engine serves the step just written; requests stay held if not.
-                await slot.gateway.resume_after_training(slot.step)
+            metrics, checkpoint = await asyncio.to_thread(self._with_threads,
+                                                          lambda: self._train_sync(slot, groups, config, report))
+        except BaseException:
+            if slot.error is None:  # the step was not applied: serve on as before
+                await self._resume(slot)
+            raise
+
+        # 3. publish: the engine takes the new checkpoint; on failure the gateway stays paused
+        failure: BaseException | None = None
+        if checkpoint is not None:
+            started = time.perf_counter()
+            try:
+                await slot.serving.publish(checkpoint, slot.step)
+            except Exception as exc:
+                failure = exc
+                metrics["adapter_load_error"] = str(exc)
+            metrics["seconds_adapter_load"] = time.perf_counter() - started
+        _append_history(slot.model_dir / "history.jsonl",
+                        {"step": slot.step, "time": time.time(), **metrics, **trace_links(groups)})
+        if failure is not None:
+            slot.error = failure
+            raise EngineError(f"checkpoint {slot.step:04d} was trained and written to {checkpoint}, but the "
+                              f"{self.inference} engine could not serve it, so the gateway stays paused (held "
+                              f"requests wait; none is served by an older step). The step's trajectories are in "
+                              f"{slot.model_dir / 'trajectories'}. Cause: {failure}") from failure
+
+        # 4. resume: the gateway checks the engine serves slot.step, then releases held requests
+        await self._resume(slot)
+        slot.error = None
+        return TrainResult(metrics=metrics, step=slot.step)
+
+    async def _pause(self, slot: _Slot) -> None:
+        if slot.gateway is None:
+            await slot.engine.pause()
+        elif slot.gateway.control.state == "serving":  # not after a failed publish: it is paused already
+            await slot.gateway.pause_for_training()
+
+    async def _resume(self, slot: _Slot) -> None:
+        if slot.gateway is not None:
+            await slot.gateway.resume_after_training(slot.step)
+            return
+        if slot.engine.adapter_step != slot.step:
+            raise EngineError(f"engine serves adapter {slot.engine.adapter_step}, expected {slot.step}: checkpoint "
+                              f"{slot.step:04d} was not loaded")
+        await slot.engine.resume()
 
     async def sample(self, model: ModelSpec, messages: Sequence[dict[str, Any]], *, n: int, max_tokens: int,
                      temperature: float, tools: list[dict[str, Any]] | None, seed: int | None) -> list[Trajectory]:
         slot = self._slot(model)
         messages = list(messages)
-
-        def run() -> list[Trajectory]:
-            tokenizer = slot.engine.tokenizer
-            # The gateway's conversion (art_core.messages), so a conversation renders the same prompt either way.
-            prompt = tokenizer.apply_chat_template(template_messages(messages), tools=tools, add_generation_prompt=True,
-                                                   tokenize=True, return_dict=False)
-            prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
-            params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)
-            with slot.lock:
-                (completions,) = slot.engine.generate_batch([prompt], [params])
-            return [Trajectory(
-                messages=[*(Message.model_validate(m) for m in messages),
-                          Message(role="assistant", content=tokenizer.decode(c.token_ids, skip_special_tokens=True))],
-                tools=tools or [],
-                calls=[CallRecord(prompt_token_ids=prompt, completion_token_ids=c.token_ids, logprobs=c.logprobs,
-                                  adapter_step=c.adapter_step, finish_reason=c.finish_reason)],
-            ) for c in completions]
-
-        return await asyncio.to_thread(self._with_threads, run)
+        tokenizer = slot.engine.tokenizer
+        # The gateway's conversion (art_core.messages), so a conversation renders the same prompt either way.
+        prompt = tokenizer.apply_chat_template(template_messages(messages), tools=tools, add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
+        prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+        await slot.ready.wait()  # a step in progress: sample the checkpoint it writes
+        if slot.error is not None:
+            raise EngineError(f"model {model.name!r}: the engine does not serve checkpoint {slot.step:04d} "
+                              f"({slot.error}); train another step once the cause is fixed") from slot.error
+        # Through the engine's queue, like every gateway request: one decode loop owns the module.
+        completions = await slot.engine.generate(prompt, SamplingParams(n=n, max_tokens=max_tokens,
+                                                                        temperature=temperature, seed=seed))
+        return [Trajectory(
+            messages=[*(Message.model_validate(m) for m in messages),
+                      Message(role="assistant", content=tokenizer.decode(c.token_ids, skip_special_tokens=True))],
+            tools=tools or [],
+            calls=[CallRecord(prompt_token_ids=prompt, completion_token_ids=c.token_ids, logprobs=c.logprobs,
+                              adapter_step=c.adapter_step, finish_reason=c.finish_reason)],
+        ) for c in completions]
 
     async def checkpoints(self, model: ModelSpec) -> list[int]:
         from ..training.checkpoints import list_checkpoints
@@ -188,7 +304,7 @@ class LocalBackend:
                               "pip install 'art-core[serve]', or LocalBackend(serve=False)") from exc
         base_name = Path(str(model.base_model)).name  # a folder path is served under its last component
         settings = GatewaySettings(model_name=model.name, base_model_name=base_name,
-                                   records_path=slot.model_dir / "records.jsonl")
+                                   records_path=slot.model_dir / "records.jsonl", **self._gateway_options)
         gateway = Gateway(slot.engine, settings, RecordStore(settings.records_path))
         if self.gateway_mount is not None:
             return gateway.attach(self.gateway_mount(model))
@@ -210,45 +326,50 @@ class LocalBackend:
 
     # -- work done in a worker thread -----------------------------------------------------------------
 
-    def _load(self, model: ModelSpec) -> _Slot:
+    async def _load(self, model: ModelSpec) -> _Slot:
         import torch
 
-        from ..engines.transformers import TransformersEngine
         from ..models import resolve_base_model
         from ..training.checkpoints import latest_checkpoint
-        from ..training.trainer import GRPOTrainer, load_policy
+        from ..training.trainer import GRPOTrainer
 
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         base_dir = resolve_base_model(model.base_model)
         model_dir = self.model_dir(model)
         latest = latest_checkpoint(model_dir)
-        policy, tokenizer = load_policy(base_dir, model.lora, device=device,
-                                        adapter_dir=latest.path if latest else None)
-        trainer = GRPOTrainer(policy, tokenizer)
-        if latest:
-            trainer.load_optimizer_state(latest.path)
+        adapter_dir = latest.path if latest else None
+
+        def load_trainer() -> GRPOTrainer:
+            policy, tokenizer = self._trainer.load(base_dir, model.lora, device, adapter_dir)
+            trainer = GRPOTrainer(policy, tokenizer, share_prefix=self._trainer.share_prefix)
+            if latest:
+                trainer.load_optimizer_state(latest.path)
+            return trainer
+
+        trainer = await asyncio.to_thread(self._with_threads, load_trainer)
         step = latest.step if latest else 0
-        return _Slot(trainer, TransformersEngine(policy, tokenizer, adapter_step=step), model_dir, step,
-                     threading.Lock())
+        serving = await self._inference.start(EngineContext(
+            spec=model, base_dir=base_dir, policy=trainer.model, tokenizer=trainer.tokenizer, step=step,
+            adapter_dir=adapter_dir, trainer_device=device, inference_device=self.inference_device or device,
+            trainer_shares=self._trainer.shares_with_engine, vllm=self.vllm, log_dir=model_dir / "logs"))
+        return _Slot(trainer, serving, model_dir, step)
 
     def _train_sync(self, slot: _Slot, groups: list[TrajectoryGroup], config: TrainConfig,
-                    report: Callable[[int, int], None] | None = None) -> tuple[dict[str, float], int]:
+                    report: Callable[[int, int], None] | None = None) -> tuple[dict[str, Any], Path | None]:
+        """Trajectories to disk, one step, the checkpoint. Returns the metrics and the new checkpoint (or None)."""
         from ..training.checkpoints import write_checkpoint
 
-        with slot.lock:  # inference waits for the step, then runs on the new adapter
-            next_step = slot.step + 1
-            # Everything the step learns from is on disk before it starts.
-            write_groups_jsonl(_free_path(slot.model_dir / "trajectories", f"{next_step:04d}"), groups)
-            with progress_bar(f"training step {next_step}", enabled=self.show_progress and report is None) as bar:
-                metrics = slot.trainer.train_step(groups, config, progress=report or bar)
-            if metrics.get("trained"):
-                write_checkpoint(slot.model_dir, next_step, slot.trainer.save,
-                                 metadata={"loss": config.loss, "reward_mean": metrics["reward_mean"]})
-                slot.step = next_step
-                slot.engine.mark_adapter_step(next_step)  # the engine shares the trained weights
-            _append_history(slot.model_dir / "history.jsonl",
-                             {"step": slot.step, "time": time.time(), **metrics, **trace_links(groups)})
-            return metrics, slot.step
+        next_step = slot.step + 1
+        # Everything the step learns from is on disk before it starts.
+        write_groups_jsonl(_free_path(slot.model_dir / "trajectories", f"{next_step:04d}"), groups)
+        with progress_bar(f"training step {next_step}", enabled=self.show_progress and report is None) as bar:
+            metrics: dict[str, Any] = dict(slot.trainer.train_step(groups, config, progress=report or bar))
+        if not metrics.get("trained"):
+            return metrics, None
+        checkpoint = write_checkpoint(slot.model_dir, next_step, slot.trainer.save,
+                                      metadata={"loss": config.loss, "reward_mean": metrics["reward_mean"]})
+        slot.step = next_step
+        return metrics, checkpoint
 
     # -- helpers --------------------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -125,6 +125,8 @@ class VLLMEngine:
         sleep_mode: bool = False,
         log_path: Path | None = None,
         request_timeout: float = 600,
+        gpu_memory_utilization: float | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> VLLMEngine:
         """Launch the server, wait until ``/health`` answers, and return the engine.
 
@@ -142,6 +144,10 @@ class VLLMEngine:
             sleep_mode: start with ``--enable-sleep-mode`` so ``pause()`` frees accelerator memory (GPU only).
             log_path: where the server's stdout and stderr go (default: a new temp file).
             request_timeout: seconds one HTTP request to the server may take.
+            gpu_memory_utilization: fraction of the GPU vLLM may take for weights and KV cache
+                (``--gpu-memory-utilization``); None: vLLM's default (0.9). Ignored by the CPU build.
+            env: more environment variables for the server, e.g. ``{"CUDA_VISIBLE_DEVICES": "1"}`` to place
+                it on a GPU of its own.
 
         Raises:
             ConfigError: ``model_dir`` or the vLLM python is missing.
@@ -180,6 +186,8 @@ class VLLMEngine:
         ]
         if sleep_mode:
             cmd.append("--enable-sleep-mode")
+        if gpu_memory_utilization is not None:
+            cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
         cmd += list(extra_args)
         env = {
             **os.environ,
@@ -187,6 +195,7 @@ class VLLMEngine:
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),  # GiB; CPU build only
             "HF_HUB_OFFLINE": "1",  # the model is local; never reach for the hub
             "TRANSFORMERS_OFFLINE": "1",
+            **(env or {}),
         }
         if sleep_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /sleep, /wake_up and /is_sleeping
@@ -230,6 +239,13 @@ class VLLMEngine:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError as exc:
             return f"(log unreadable: {exc})"
+
+    def _check_alive(self, action: str) -> None:
+        """Raise ``EngineError`` naming the log file when the server process has exited."""
+        code = self.process.poll()
+        if code is not None:
+            raise EngineError(f"cannot {action}: the vLLM server (pid {self.process.pid}) exited with code {code}; "
+                              f"its log is {self.log_path}. Last lines:\n{self._log_tail(15)}")
 
     async def aclose(self) -> None:
         """Stop the server: SIGTERM to its process group, SIGKILL what is left after 30 s. Idempotent.
@@ -287,6 +303,7 @@ class VLLMEngine:
         while not self._open.is_set():  # paused: wait, do not fail (re-check: pause() may follow resume())
             await self._open.wait()
         self._check_open("generate")
+        self._check_alive("generate")
         # From here to the request, no await: pause() sees this request as in flight.
         name, step = self._model_name, self._adapter_step
         self._in_flight[name] = self._in_flight.get(name, 0) + 1
@@ -366,6 +383,7 @@ class VLLMEngine:
                 not list it afterwards. The engine keeps serving the previous adapter.
         """
         self._check_open("load an adapter")
+        self._check_alive(f"load adapter {path} as step {step}")
         path = check_adapter_path(Path(path)).resolve()
         name = f"step-{step}"
         previous = self._model_name
@@ -402,16 +420,26 @@ class VLLMEngine:
             await self._post("/sleep", None, params={"level": "1"})
             self._sleeping = True
 
-    async def resume(self) -> None:
-        """Let held and new requests through (after ``/wake_up`` when asleep)."""
-        self._check_open("resume")
+    async def wake_up(self) -> None:
+        """Take the weights back onto the accelerator after a sleeping ``pause()``, keeping requests held.
+
+        Loading the next adapter needs the weights in place; ``resume()`` then lets requests through. A no-op
+        when the engine is not asleep.
+        """
+        self._check_open("wake up")
         if self._sleeping:
             await self._post("/wake_up", None)
             self._sleeping = False
+
+    async def resume(self) -> None:
+        """Let held and new requests through (after ``/wake_up`` when asleep)."""
+        self._check_open("resume")
+        await self.wake_up()
         self._open.set()
 
     async def health(self) -> dict[str, Any]:
-        """``pid``, ``port``, ``adapter_step``, ``alive`` (process running and ``/health`` answering), and more."""
+        """``pid``, ``port``, ``adapter_step``, ``alive`` (process running and ``/health`` answering), ``sleeping``,
+        ``log_path``, and more."""
         alive = False
         if self._state is _State.RUNNING and self.process.poll() is None:
             with contextlib.suppress(httpx.HTTPError):
@@ -423,6 +451,7 @@ class VLLMEngine:
             "model": self._model_name,
             "alive": alive,
             "paused": not self._open.is_set(),
+            "sleeping": self._sleeping,
             "in_flight": sum(self._in_flight.values()),
             "log_path": str(self.log_path),
         }
@@ -443,9 +472,11 @@ class VLLMEngine:
             raise EngineError(f"vLLM server (pid {self.process.pid}) did not answer {method} {url} in time "
                               f"({exc!r}); raise request_timeout or ask for fewer tokens") from exc
         except httpx.TransportError as exc:
-            state = "running" if self.process.poll() is None else f"exited with {self.process.returncode}"
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=1.0)  # a dying server drops connections before it exits
+            state = "running" if self.process.poll() is None else f"exited with code {self.process.returncode}"
             raise EngineError(f"vLLM server (pid {self.process.pid}, {state}) unreachable for {method} {url}: "
-                              f"{exc!r}; last lines of {self.log_path}:\n{self._log_tail(10)}") from exc
+                              f"{exc!r}; its log is {self.log_path}. Last lines:\n{self._log_tail(10)}") from exc
         if response.is_error:
             raise EngineError(f"vLLM answered {method} {url} with {response.status_code}: {_error_message(response)}")
         if not response.content:

