@@ -1,5 +1,6 @@
 """Where training runs. ``Backend`` is the contract ``TrainableModel`` talks to; ``LocalBackend`` implements it
-in this process, ``RemoteBackend`` on an ``art-core serve`` server (it needs ``art-core[serve]``, for httpx)."""
+in this process, ``RemoteBackend`` on an ``art-core serve`` server (it needs ``art-core[serve]``, for httpx),
+``RayBackend`` on a Ray cluster (``art-core[distributed]``; importing it does not import Ray)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 from .base import Backend, ModelSpec, TrainResult
 from .local import LocalBackend
+from .ray import RayBackend
 
 if TYPE_CHECKING:
     from .remote import RemoteBackend
 
-__all__ = ["Backend", "LocalBackend", "ModelSpec", "RemoteBackend", "TrainResult"]
+__all__ = ["Backend", "LocalBackend", "ModelSpec", "RayBackend", "RemoteBackend", "TrainResult"]
 
 
 def __getattr__(name: str) -> Any:
