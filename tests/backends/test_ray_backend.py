@@ -49,16 +49,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     before = os.environ.get("RAY_TMPDIR")
     os.environ["RAY_TMPDIR"] = temp  # Ray's address file goes here too, not to /tmp/ray
     os.mkdir(os.path.join(temp, "ray"))
-    cluster = Cluster(initialize_head=True, shutdown_at_exit=False,
-                      head_node_args={"num_cpus": 8, "resources": {"head": 100}, "temp_dir": os.path.join(temp, "ray"),
-                                      "include_dashboard": False})
-    worker = cluster.add_node(num_cpus=8)
-    cluster.wait_for_nodes()
-    cluster.worker = worker
-    yield cluster
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster.shutdown()
+    cluster = Cluster(shutdown_at_exit=False)
+    try:
+        cluster.add_node(num_cpus=8, resources={"head": 100}, temp_dir=os.path.join(temp, "ray"),
+                         include_dashboard=False)
+        cluster.worker = cluster.add_node(num_cpus=8)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()  # stops this cluster's own processes (by their handles, not by name)
     if before is None:
         os.environ.pop("RAY_TMPDIR", None)
     else:

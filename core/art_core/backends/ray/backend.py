@@ -273,14 +273,18 @@ class RayBackend:
         if self._closed:
             return
         self._closed = True
+        if not self._slots and not self._started:
+            return  # never reached Ray (it may not even be installed)
+        import ray
+
         for slot in self._slots.values():
             await slot.gateway.aclose()
             await slot.router.aclose()
             await slot.trainer.aclose()
+            for actor in [*slot.router.all_replicas, *(w for p in slot.pools.values() for w in p.workers)]:
+                ray.kill(actor)  # our own actors, by handle
         self._slots.clear()
         if self._started:
-            import ray
-
             ray.shutdown()  # disconnects; also stops the processes of a cluster this driver started
 
     # -- beyond the contract: rollouts on workers -----------------------------------------------------

@@ -205,6 +205,11 @@ class ReplicaRouter:
         """Handles of the live replicas."""
         return [self._replicas[i] for i in self._live()]
 
+    @property
+    def all_replicas(self) -> list[Any]:
+        """Handles of every replica started, live or lost."""
+        return list(self._replicas)
+
     def _live(self) -> list[int]:
         return [i for i, alive in enumerate(self._alive) if alive]
 

@@ -1,0 +1,122 @@
+"""RayBackend scaling on this machine: rollout throughput with 1 vs 2 engine replicas, step time with 1 vs 2
+trainer ranks, side by side in one run.
+
+One local Ray instance (temp files under the run's folder). Each replica and each rank is held to one torch
+thread (``num_threads=1``) so that, on a 2-core machine, each has a core of its own. Model: the embedded
+SmolLM2-135M-Instruct on CPU (fp32).
+
+- rollouts: ``--rollouts`` one-call chat rollouts (``--max-tokens`` sampled tokens each) on 8 rollout
+  workers through the one gateway, after an untimed warm-up; ``rollout_scaling_2x`` = rollouts per second
+  with 2 replicas / with 1.
+- training: the same groups (gathered once) trained ``--steps`` times by a group of 1 rank, then of 2;
+  timed around the trainer group's step (forward, backward, gradient sum, optimizer; no checkpoint
+  writing, which rank 0 does alike in both); ``train_scaling_2x`` = seconds with 1 rank / with 2.
+
+    python tests/benchmarks/ray_scaling.py [--rollouts 32] [--max-tokens 48] [--groups 8] [--steps 2]
+
+Goal: >= 1.5 each. On a real multi-GPU cluster each replica and rank has its own GPU (no shared cores, no
+shared memory bandwidth), nccl replaces gloo for the gradient sum (NVLink/InfiniBand), and vLLM replicas
+batch far more per step; there the ratios are bounded by the gateway's throughput (one process) and the
+gradient all-reduce of the adapter, both small next to a GPU step. The last line is a JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import tempfile
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROLLOUT = "ray_scaling:chat"
+PROMPTS = ["Write a short poem about the sea.", "Explain photosynthesis to a child.",
+           "List three uses of a paperclip.", "Describe your ideal weekend."]
+
+
+async def chat(model: Any, task: dict[str, Any]) -> Any:
+    """One rollout: a single chat call through the gateway, rebuilt from its record, with a random reward."""
+    import openai
+
+    rid = uuid.uuid4().hex
+    client = openai.AsyncOpenAI(base_url=model.rollout_base_url(rid), api_key=model.api_key or "unused")
+    await client.chat.completions.create(model=model.name, messages=[{"role": "user", "content": task["prompt"]}],
+                                         max_tokens=task["max_tokens"], temperature=1.0)
+    await client.close()
+    return model.rollout_trajectory(rid, reward=random.random())
+
+
+async def run_config(path: Path, replicas: int, ranks: int, args: argparse.Namespace,
+                     groups: list[Any] | None) -> tuple[float, float, list[Any]]:
+    from art_core import RayBackend, TrainableModel, TrainConfig
+
+    model = TrainableModel(name=f"bench{replicas}{ranks}")
+    backend = RayBackend(path=path, inference_replicas=replicas, trainer_workers=ranks, rollout_workers=8,
+                         rollouts_per_worker=4, num_threads=1, cpus_per_replica=1, cpus_per_rank=1,
+                         cpus_per_rollout_worker=0)
+    async with backend:
+        t0 = time.perf_counter()
+        await model.register(backend)
+        print(f"[{replicas} replica(s), {ranks} rank(s)] started in {time.perf_counter() - t0:.1f} s", flush=True)
+        tasks = [{"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": args.max_tokens} for i in range(args.rollouts)]
+        await backend.gather(model.spec, ROLLOUT, tasks[:8], n=1)  # warm-up: workers, replicas, caches
+        t0 = time.perf_counter()
+        await backend.gather(model.spec, ROLLOUT, tasks, n=1)
+        rollout_s = time.perf_counter() - t0
+        stats = backend.rollout_stats(model.spec, ROLLOUT)
+        print(f"  rollouts: {args.rollouts} in {rollout_s:.2f} s ({args.rollouts / rollout_s:.2f}/s), "
+              f"routed {backend.router(model.spec).routed}, failed {stats.failed_exception}", flush=True)
+        if groups is None:
+            groups = await backend.gather(model.spec, ROLLOUT, tasks[:args.groups], n=4)
+        trainer = backend.trainer_group(model.spec)
+        config = TrainConfig(learning_rate=1e-5)
+        await trainer.train(groups[:2], config)  # warm-up step
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            await trainer.train(groups, config)
+            times.append(time.perf_counter() - t0)
+        train_s = min(times)
+        print(f"  train step on {len(groups)} groups: {train_s:.2f} s (runs {[round(t, 2) for t in times]})",
+              flush=True)
+    return args.rollouts / rollout_s, train_s, groups
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rollouts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+
+    import ray
+
+    root = HERE.parent.parent
+    with tempfile.TemporaryDirectory(prefix="art-ray-bench-") as tmp:
+        os.makedirs(f"{tmp}/ray")
+        ray.init(_temp_dir=f"{tmp}/ray", include_dashboard=False, log_to_driver=False, num_cpus=4,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(root / "core"), str(root), str(HERE)]),
+                                           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+        try:
+            one_rate, one_train, groups = await run_config(Path(tmp), 1, 1, args, None)
+            two_rate, two_train, _ = await run_config(Path(tmp), 2, 2, args, groups)
+        finally:
+            ray.shutdown()
+    result = {"rollout_scaling_2x": round(two_rate / one_rate, 3), "train_scaling_2x": round(one_train / two_train, 3),
+              "rollouts_per_s_1": round(one_rate, 3), "rollouts_per_s_2": round(two_rate, 3),
+              "train_step_s_1": round(one_train, 3), "train_step_s_2": round(two_train, 3),
+              "cpu_count": os.cpu_count(), "rollouts": args.rollouts, "max_tokens": args.max_tokens,
+              "groups": args.groups}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
