@@ -139,6 +139,8 @@ class ReplicaRouter:
         self._sticky: OrderedDict[str, int] = OrderedDict()  # rollout id -> replica index
         self.routed = [0] * len(replicas)
         """Requests sent to each replica (for tests and metrics)."""
+        self.sticky_hits = 0
+        """Requests sent to the replica their rollout already used."""
 
     # -- the Engine protocol --------------------------------------------------------------------------
 
@@ -213,6 +215,10 @@ class ReplicaRouter:
     def _live(self) -> list[int]:
         return [i for i, alive in enumerate(self._alive) if alive]
 
+    def replica_of(self, rollout_id: str) -> int | None:
+        """The replica a rollout's calls go to (None: not seen, or forgotten)."""
+        return self._sticky.get(rollout_id)
+
     def _pick(self, key: str | None) -> int:
         live = self._live()
         if not live:
@@ -221,6 +227,7 @@ class ReplicaRouter:
             i = self._sticky.get(key)
             if i is not None and self._alive[i]:
                 self._sticky.move_to_end(key)
+                self.sticky_hits += 1
                 return i
         i = min(live, key=lambda j: (self._load[j], self.routed[j]))
         if key is not None:
