@@ -223,6 +223,8 @@ class RolloutPool:
                         stats.gave_up += 1
                         exceptions[ti].append(f"lost worker, {attempt} attempts: {exc}")
                         pending -= 1
+                        if pending == 0:
+                            done.set()
                     logger.warning("rollout worker %d lost (%s); its rollout is retried elsewhere", wi, type(exc).__name__)
                     return  # this worker is gone: its slots stop taking work
                 except Exception as exc:
