@@ -133,7 +133,7 @@ async def test_ray_backend_scenario(cluster: Any, scripted_dir: Path, tmp_path: 
         reference = _Recording()
         GRPOTrainer(policy, tokenizer).train_step(groups, config, sync=reference)
         names = [n for n, p in policy.named_parameters() if p.requires_grad]
-        diff = max(float((torch.from_numpy(rank0[n]) - g).abs().max()) for n, g in zip(names, reference.recorded))
+        diff = max(float((torch.tensor(rank0[n]) - g).abs().max()) for n, g in zip(names, reference.recorded))
         scale = max(float(g.abs().max()) for g in reference.recorded)
         rank_diff = max(float(abs(rank0[n] - rank1[n]).max()) for n in names)
         print(f"LoRA gradient max abs diff, 2 ranks vs 1 process: {diff:.3e} (largest gradient {scale:.3e}); "
