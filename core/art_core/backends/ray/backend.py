@@ -21,6 +21,8 @@ log files stay under ``<path>/ray`` and which ``aclose()`` stops; any other addr
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
 __all__ = ["RayBackend"]
 
 _ROLES = ("replica", "trainer", "rollout")
+_AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+"""Ray's token-auth settings: a new local cluster otherwise writes its token to ``~/.ray/auth_token``."""
 
 
 @dataclass
@@ -117,7 +121,7 @@ class RayBackend:
         self.runtime_env = runtime_env
         self.max_rollout_attempts = max_rollout_attempts
         self._slots: dict[tuple[str, str], _Slot] = {}
-        self._owns_ray = False
+        self._env_before: dict[str, str | None] | None = None
         self._started = False
         self._closed = False
 
@@ -285,7 +289,13 @@ class RayBackend:
                 ray.kill(actor)  # our own actors, by handle
         self._slots.clear()
         if self._started:
-            ray.shutdown()  # disconnects; also stops the processes of a cluster this driver started
+            ray.shutdown()
+        if self._env_before is not None:  # undo what starting the local cluster set (see _ray)
+            for name, value in self._env_before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value  # disconnects; also stops the processes of a cluster this driver started
 
     # -- beyond the contract: rollouts on workers -----------------------------------------------------
 
@@ -348,6 +358,15 @@ class RayBackend:
             elif self.address is None:
                 temp = (self.path / "ray").resolve()
                 temp.mkdir(parents=True, exist_ok=True)
+                # Ray enables token auth for a new local cluster (setting RAY_AUTH_MODE in this process) and
+                # would save the token in ~/.ray; keep it under the run's folder, and restore both on close.
+                self._env_before = {name: os.environ.get(name) for name in _AUTH_ENV}
+                if not any(self._env_before.values()):
+                    token = temp / "auth_token"
+                    if not token.is_file():
+                        token.touch(mode=0o600)
+                        token.write_text(secrets.token_hex(32))
+                    os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
                 ray.init(_temp_dir=str(temp), include_dashboard=False, runtime_env=self.runtime_env,
                          log_to_driver=False)
                 self._started = True
