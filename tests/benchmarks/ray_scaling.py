@@ -10,7 +10,7 @@ SmolLM2-135M-Instruct on CPU (fp32).
   ``rollout_scaling_2x`` = rollouts per second with 2 replicas / with 1. Long prompts make each replica's
   work compute-bound: CPU decoding at small batch is bound by memory bandwidth, which two replicas on one
   machine share, so short-prompt rollouts do not scale here (measured: 1.01x at 32 tokens, 6-word prompts).
-- training: the same groups (gathered once) trained ``--steps`` times by a group of 1 rank, then of 2;
+- training: the same groups (gathered once, ``--train-words``-word prompts, 32 tokens) trained ``--steps`` times by a group of 1 rank, then of 2;
   timed around the trainer group's step (forward, backward, gradient sum, optimizer; no checkpoint
   writing, which rank 0 does alike in both); ``train_scaling_2x`` = seconds with 1 rank / with 2.
 
@@ -82,7 +82,8 @@ async def run_config(path: Path, replicas: int, ranks: int, args: argparse.Names
         print(f"  rollouts: {args.rollouts} in {rollout_s:.2f} s ({args.rollouts / rollout_s:.2f}/s), "
               f"routed {backend.router(model.spec).routed}, failed {stats.failed_exception}", flush=True)
         if groups is None:
-            groups = await backend.gather(model.spec, ROLLOUT, tasks[:args.groups], n=4)
+            short = [{**task, "words": args.train_words, "max_tokens": 32} for task in tasks[:args.groups]]
+            groups = await backend.gather(model.spec, ROLLOUT, short, n=4)
         trainer = backend.trainer_group(model.spec)
         config = TrainConfig(learning_rate=1e-5)
         await trainer.train(groups[:2], config)  # warm-up step
@@ -102,6 +103,7 @@ async def main() -> None:
     parser.add_argument("--rollouts", type=int, default=16)
     parser.add_argument("--prompt-words", type=int, default=150)
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--train-words", type=int, default=40, help="prompt words of the rollouts trained on")
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
