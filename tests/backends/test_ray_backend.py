@@ -138,7 +138,7 @@ async def test_ray_backend_scenario(cluster: Any, scripted_dir: Path, tmp_path: 
         rank_diff = max(float(abs(rank0[n] - rank1[n]).max()) for n in names)
         print(f"LoRA gradient max abs diff, 2 ranks vs 1 process: {diff:.3e} (largest gradient {scale:.3e}); "
               f"rank 0 vs rank 1: {rank_diff:.3e}")
-        assert scale > 0 and diff <= 1e-5 * max(scale, 1.0)
+        assert scale > 0 and diff <= 1e-4 * scale  # relative: the scripted model's gradients are tiny
         assert rank_diff == 0.0
 
         # The new adapter is served by both replicas: their log-probs equal the checkpoint's in one process.

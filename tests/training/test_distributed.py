@@ -128,5 +128,5 @@ def test_two_gloo_ranks_sum_to_the_gradient_of_one_process(tiny_model_dir: Path,
     diff = max(float((a - b).abs().max()) for a, b in zip(rank0, reference.recorded, strict=True))
     scale = max(float(g.abs().max()) for g in reference.recorded)
     print(f"LoRA gradient max abs diff, 2 gloo ranks vs 1 process: {diff:.3e} (largest gradient {scale:.3e})")
-    assert scale > 0 and diff <= 1e-5 * max(scale, 1.0)
+    assert scale > 0 and diff <= 1e-4 * scale
     assert all(torch.equal(a, b) for a, b in zip(rank0, rank1, strict=True)), "both ranks hold the same sum"
