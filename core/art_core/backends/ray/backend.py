@@ -48,6 +48,9 @@ __all__ = ["RayBackend"]
 _ROLES = ("replica", "trainer", "rollout")
 _AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 """Ray's token-auth settings: a new local cluster otherwise writes its token to ``~/.ray/auth_token``."""
+_TOKEN: list[str] = []
+"""This process's token for the local clusters it starts: Ray's loader caches the first token it reads, so a
+second local cluster in the same process must use the same one."""
 
 
 @dataclass
@@ -364,8 +367,10 @@ class RayBackend:
                 if not any(self._env_before.values()):
                     token = temp / "auth_token"
                     if not token.is_file():
+                        if not _TOKEN:
+                            _TOKEN.append(secrets.token_hex(32))
                         token.touch(mode=0o600)
-                        token.write_text(secrets.token_hex(32))
+                        token.write_text(_TOKEN[0])
                     os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
                 ray.init(_temp_dir=str(temp), include_dashboard=False, runtime_env=self.runtime_env,
                          log_to_driver=False)
