@@ -366,11 +366,10 @@ class RayBackend:
                 self._env_before = {name: os.environ.get(name) for name in _AUTH_ENV}
                 if not any(self._env_before.values()):
                     token = temp / "auth_token"
-                    if not token.is_file():
-                        if not _TOKEN:
-                            _TOKEN.append(secrets.token_hex(32))
-                        token.touch(mode=0o600)
-                        token.write_text(_TOKEN[0])
+                    if not _TOKEN:
+                        _TOKEN.append(secrets.token_hex(32))
+                    token.touch(mode=0o600)
+                    token.write_text(_TOKEN[0])
                     os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
                 ray.init(_temp_dir=str(temp), include_dashboard=False, runtime_env=self.runtime_env,
                          log_to_driver=False)
