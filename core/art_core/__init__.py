@@ -5,7 +5,7 @@ Importing this package does not import torch: the training stack loads when a ba
 
 from typing import TYPE_CHECKING, Any
 
-from .backends import Backend, LocalBackend, ModelSpec, TrainResult, VLLMOptions
+from .backends import Backend, LocalBackend, ModelSpec, RayBackend, TrainResult, VLLMOptions
 from .config import LoraSettings, TrainConfig
 from .errors import (
     ArtError,
@@ -53,6 +53,7 @@ __all__ = [
     "LoraSettings",
     "Message",
     "ModelSpec",
+    "RayBackend",
     "RemoteBackend",
     "RewardError",
     "ServerError",

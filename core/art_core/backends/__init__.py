@@ -1,6 +1,7 @@
 """Where training runs. ``Backend`` is the contract ``TrainableModel`` talks to; ``LocalBackend`` implements it
-in this process, ``RemoteBackend`` on an ``art-core serve`` server (it needs ``art-core[serve]``, for httpx).
-``LocalBackend`` takes a choice of inference engine and trainer (``VLLMOptions`` configures vLLM)."""
+in this process, ``RemoteBackend`` on an ``art-core serve`` server (it needs ``art-core[serve]``, for httpx),
+``RayBackend`` on a Ray cluster (``art-core[distributed]``; importing it does not import Ray). ``LocalBackend``
+takes a choice of inference engine and trainer (``VLLMOptions`` configures vLLM)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from typing import TYPE_CHECKING, Any
 from ._engines import VLLMOptions
 from .base import Backend, ModelSpec, TrainResult
 from .local import LocalBackend
+from .ray import RayBackend
 
 if TYPE_CHECKING:
     from .remote import RemoteBackend
 
-__all__ = ["Backend", "LocalBackend", "ModelSpec", "RemoteBackend", "TrainResult", "VLLMOptions"]
+__all__ = ["Backend", "LocalBackend", "ModelSpec", "RayBackend", "RemoteBackend", "TrainResult", "VLLMOptions"]
 
 
 def __getattr__(name: str) -> Any:

@@ -9,11 +9,18 @@ tokens. Two implementations: ``engines/transformers.py`` (in process, CPU or GPU
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
-__all__ = ["Engine", "EngineOutput", "SamplingParams", "TokenDelta", "stream_tokens"]
+__all__ = ["Engine", "EngineOutput", "SamplingParams", "TokenDelta", "routing_key", "stream_tokens"]
+
+routing_key: ContextVar[str | None] = ContextVar("art_routing_key", default=None)
+"""The rollout the request being served belongs to (None: none), for engines that spread requests over
+replicas and keep a rollout's calls on one of them (``backends/ray``'s router). The gateway sets it per
+request; each request runs in its own task, so the value never leaks into another request. Engines that
+serve from one place ignore it."""
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from ..engines.base import Engine
+from ..engines.base import Engine, routing_key
 from .control import GatewayControl
 from .errors import APIError
 from .metrics import GatewayMetrics
@@ -89,7 +89,9 @@ def request_scope(request: Request) -> tuple[GatewayState, str | None, str | Non
     Raises:
         APIError: 400 for an invalid rollout id or caller label (see ``rollout_scope`` and ``_caller_of``).
     """
-    return request.app.state.gateway, _rollout_of(request), _caller_of(request)
+    rollout_id = _rollout_of(request)
+    routing_key.set(rollout_id)  # for engines with replicas: a rollout's calls go to one (the request's task only)
+    return request.app.state.gateway, rollout_id, _caller_of(request)
 
 
 async def rollout_scope(request: Request) -> str | None:

@@ -21,6 +21,7 @@ from ..errors import CheckpointError, ConfigError, TrainingError, TrajectoryErro
 from ..types import TrajectoryGroup
 from .advantages import compute_group_advantages
 from .batching import plan_micro_batches
+from .distributed import StepSync
 from .forward import SharedPrefix, micro_batch_logprobs
 from .losses import LossInputs, build_loss
 from .samples import Sample, trajectory_samples
@@ -158,8 +159,15 @@ class GRPOTrainer:
     # -- the step -------------------------------------------------------------------------------------
 
     def train_step(self, groups: Sequence[TrajectoryGroup], config: TrainConfig, *,
-                   progress: Progress | None = None) -> StepMetrics:
+                   progress: Progress | None = None, sync: StepSync | None = None) -> StepMetrics:
         """Run one GRPO optimizer step on ``groups``.
+
+        Args:
+            groups: the step's groups (with ``sync``: this rank's share of them).
+            config: learning rate, loss and batching settings.
+            progress: called with (micro-batches done, total) after each one.
+            sync: when several ranks share the step (``training/distributed.py``): sums the sequence and
+                token counts and the gradients over the ranks. Default: None (this process alone).
 
         Returns:
             The step's metrics. ``trained`` is 0.0 when every group was dropped (no update was made).
@@ -211,12 +219,14 @@ class GRPOTrainer:
             "rollout_exceptions": float(sum(len(g.exceptions) for g in groups)),
             "learning_rate": config.learning_rate,
         }
-        if not sample_groups:
-            metrics.update(trained=0.0, seconds_total=time.perf_counter() - t_start)
-            return metrics
         all_samples = [s for g in sample_groups for s in g]
         num_sequences = len(all_samples)
         num_tokens = sum(s.num_trained for s in all_samples)
+        if sync is not None:  # the losses divide by the whole step's counts, not this rank's
+            num_sequences, num_tokens = (int(v) for v in sync.sum([num_sequences, num_tokens]))
+        if not num_sequences:
+            metrics.update(trained=0.0, seconds_total=time.perf_counter() - t_start)
+            return metrics
         plan = plan_micro_batches(sample_groups, token_budget=config.micro_batch_tokens,
                                   share_prefix=config.share_prefix and self.share_prefix, pad_token_id=self._pad_id())
         total_batches = sum(len(pg.micro_batches) for pg in plan)
@@ -256,6 +266,8 @@ class GRPOTrainer:
                         progress(done, total_batches)
                 if prefix is not None:
                     prefix.backward()
+            if sync is not None:  # every rank now holds the whole step's gradient
+                sync.gradients(self.params)
             t_backward = time.perf_counter()
 
             # 4. optimizer step, with clipping, once the step's numbers are known to be finite

@@ -1,0 +1,396 @@
+"""``RayBackend``: the Backend contract on a Ray cluster (engine replicas, rollout workers, a trainer group).
+
+    driver process                          Ray actors (any node)
+    --------------                          ----------------------
+    TrainableModel -> RayBackend
+                      gateway (records) --> ReplicaRouter --> EngineReplica x inference_replicas
+                      RolloutPool --------> RolloutWorker x rollout_workers  (call the gateway over HTTP)
+                      TrainerGroup -------> TrainerRank x trainer_workers    (torch.distributed)
+                      model_dir: checkpoints, trajectories, records, history (on the driver's disk)
+
+A step: the gateway pauses (requests wait), the groups are written to disk, the trainer group trains on
+them split by tokens, rank 0's checkpoint is written atomically on the driver's disk, the adapter goes
+through the object store to every replica, which hot-loads it, and the gateway resumes once every replica
+serves the new step.
+
+Ray is started and stopped through its API only: ``address=None`` starts a local cluster whose temp and
+log files stay under ``<path>/ray`` and which ``aclose()`` stops; any other address (``"auto"``,
+``"ray://..."``) joins a running cluster, and ``aclose()`` only disconnects from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ...config import TrainConfig
+from ...engines.base import SamplingParams
+from ...errors import ConfigError, LifecycleError
+from ...types import CallRecord, Message, Trajectory, TrajectoryGroup, write_groups_jsonl
+from ..base import ModelSpec, TrainResult
+from ..local import _append_history, _free_path, read_history
+
+if TYPE_CHECKING:
+    from ...gateway import Gateway
+    from ...gateway.records import ExchangeRecord
+    from .replicas import ReplicaRouter
+    from .rollouts import RolloutPool, RolloutStats
+    from .trainer_group import TrainerGroup
+
+__all__ = ["RayBackend"]
+
+_ROLES = ("replica", "trainer", "rollout")
+_AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+"""Ray's token-auth settings: a new local cluster otherwise writes its token to ``~/.ray/auth_token``."""
+_TOKEN: list[str] = []
+"""This process's token for the local clusters it starts: Ray's loader caches the first token it reads, so a
+second local cluster in the same process must use the same one."""
+
+
+@dataclass
+class _Slot:
+    model_dir: Path
+    step: int
+    router: ReplicaRouter
+    trainer: TrainerGroup
+    gateway: Gateway
+    worker_url: str
+    pools: dict[str, RolloutPool]
+
+
+class RayBackend:
+    """Trains and serves on a Ray cluster; implements ``art_core.backends.Backend``.
+
+    Args:
+        address: the cluster: None starts a local one (stopped by ``aclose``), ``"auto"`` joins the one this
+            node belongs to, ``"ray://host:10001"`` a remote one. Default: None.
+        path: root folder of projects on the driver's disk (checkpoints, trajectories, records, history,
+            and the local cluster's temp and log files under ``<path>/ray``).
+        inference_replicas: engine replicas behind the gateway. Default: 1.
+        trainer_workers: ranks of the trainer group. Default: 1.
+        rollout_workers: rollout worker actors for ``gather`` (started on first use). Default: 8.
+        rollouts_per_worker: rollouts each worker runs at once. Default: 4 (agents mostly wait on HTTP).
+        inference: the replicas' engine. Only ``"transformers"`` is implemented (vLLM replicas are not).
+        cpus_per_replica, cpus_per_rank: CPUs Ray reserves for each. Default: 1.
+        cpus_per_rollout_worker: Default: 0.25 (an agent mostly waits for the gateway).
+        gpus_per_replica, gpus_per_rank: GPUs for each. Default: 1 when the cluster has GPUs, else 0.
+        num_threads: torch threads in each replica and rank (None: torch's default, which assumes the
+            whole node; set it when several share a node).
+        resources: extra Ray resources per role (``"replica"``, ``"trainer"``, ``"rollout"``), to pin a
+            role to labelled nodes, e.g. ``{"trainer": {"a100": 1}}``.
+        gateway_host: where the gateway listens. Use ``"0.0.0.0"`` (with ``api_key``) when rollout workers
+            run on other machines; they then reach it at this node's IP.
+        api_key: the gateway's bearer token (required when it listens beyond loopback).
+        runtime_env: Ray's runtime environment for every actor (e.g. ``{"py_modules": [...]}`` to ship the
+            module of your rollout function).
+        max_rollout_attempts: tries per rollout when its worker is lost. Default: 3.
+    """
+
+    def __init__(self, *, address: str | None = None, path: str | Path = ".art", inference_replicas: int = 1,
+                 trainer_workers: int = 1, rollout_workers: int = 8, rollouts_per_worker: int = 4,
+                 inference: str = "transformers", cpus_per_replica: float = 1, cpus_per_rank: float = 1,
+                 cpus_per_rollout_worker: float = 0.25, gpus_per_replica: float | None = None,
+                 gpus_per_rank: float | None = None, num_threads: int | None = None,
+                 resources: dict[str, dict[str, float]] | None = None, gateway_host: str = "127.0.0.1",
+                 api_key: str | None = None, runtime_env: dict[str, Any] | None = None,
+                 max_rollout_attempts: int = 3) -> None:
+        for name, value in (("inference_replicas", inference_replicas), ("trainer_workers", trainer_workers),
+                            ("rollout_workers", rollout_workers), ("rollouts_per_worker", rollouts_per_worker)):
+            if value < 1:
+                raise ConfigError(f"{name} must be at least 1, got {value}")
+        if inference != "transformers":
+            raise ConfigError(f"inference={inference!r} is not available on RayBackend: use 'transformers' "
+                              "(vLLM replicas are not implemented yet)")
+        unknown = set(resources or {}) - set(_ROLES)
+        if unknown:
+            raise ConfigError(f"resources has unknown role(s) {sorted(unknown)}: use {', '.join(_ROLES)}")
+        self.address = address
+        self.path = Path(path)
+        self.inference_replicas, self.trainer_workers = inference_replicas, trainer_workers
+        self.rollout_workers, self.rollouts_per_worker = rollout_workers, rollouts_per_worker
+        self.inference = inference
+        self.cpus_per_replica, self.cpus_per_rank = cpus_per_replica, cpus_per_rank
+        self.cpus_per_rollout_worker = cpus_per_rollout_worker
+        self.gpus_per_replica, self.gpus_per_rank = gpus_per_replica, gpus_per_rank
+        self.num_threads = num_threads
+        self.resources = resources or {}
+        self.gateway_host, self.api_key = gateway_host, api_key
+        self.runtime_env = runtime_env
+        self.max_rollout_attempts = max_rollout_attempts
+        self._slots: dict[tuple[str, str], _Slot] = {}
+        self._env_before: dict[str, str | None] | None = None
+        self._started = False
+        self._closed = False
+
+    async def __aenter__(self) -> RayBackend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- the Backend contract -------------------------------------------------------------------------
+
+    def model_dir(self, model: ModelSpec) -> Path:
+        return self.path / model.project / "models" / model.name
+
+    async def register(self, model: ModelSpec) -> int:
+        from transformers import AutoTokenizer
+
+        from ...gateway import Gateway, GatewaySettings, RecordStore
+        from ...models import resolve_base_model
+        from ...training.checkpoints import latest_checkpoint
+        from .replicas import EngineReplica, ReplicaRouter
+        from .trainer_group import TrainerGroup
+
+        self._check_open()
+        key = (model.project, model.name)
+        if key in self._slots:
+            raise LifecycleError(f"a model named {model.name!r} in project {model.project!r} is already "
+                                 "registered with this backend")
+        ray = self._ray()
+        base_dir = str(resolve_base_model(model.base_model))  # the driver's copy, for the gateway's tokenizer
+        model_dir = self.model_dir(model)
+        latest = latest_checkpoint(model_dir)
+        step = latest.step if latest else 0
+        checkpoint = ({p.name: p.read_bytes() for p in latest.path.iterdir() if p.is_file()} if latest else None)
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+
+        trainer = await TrainerGroup.start(
+            workers=self.trainer_workers, base_dir=model.base_model, lora=model.lora, checkpoint=checkpoint,
+            num_threads=self.num_threads, cpus_per_rank=self.cpus_per_rank,
+            gpus_per_rank=self.gpus_per_rank if self.gpus_per_rank is not None else gpus,
+            extra=self.resources.get("trainer", {}))
+        adapter = await trainer.adapter()  # the replicas serve exactly the weights the trainer starts from
+        replica_actor = ray.remote(EngineReplica)
+        replicas = [replica_actor.options(
+            num_cpus=self.cpus_per_replica,
+            num_gpus=self.gpus_per_replica if self.gpus_per_replica is not None else gpus,
+            resources=self.resources.get("replica") or None, scheduling_strategy="SPREAD",
+        ).remote(base_dir=model.base_model, adapter=adapter, lora=model.lora.model_dump(), step=step,
+                 engine=self.inference, num_threads=self.num_threads)
+            for _ in range(self.inference_replicas)]
+        await asyncio.gather(*(r.adapter_step.remote() for r in replicas))  # loaded (raises if one failed)
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, base_dir)
+        router = ReplicaRouter(replicas, tokenizer, step=step)
+        settings = GatewaySettings(model_name=model.name, base_model_name=Path(model.base_model).name,
+                                   records_path=model_dir / "records.jsonl", host=self.gateway_host,
+                                   api_key=self.api_key)
+        gateway = await Gateway(router, settings, RecordStore(settings.records_path)).start()
+        host = self.gateway_host
+        if host in ("0.0.0.0", "", "::"):  # workers on other nodes reach this node by its address
+            host = ray.util.get_node_ip_address()
+        self._slots[key] = _Slot(model_dir, step, router, trainer, gateway, f"http://{host}:{gateway.port}", {})
+        return step
+
+    def base_url(self, model: ModelSpec) -> str:
+        return self._slot(model).gateway.base_url
+
+    def api_key(self, model: ModelSpec) -> str | None:
+        return self._slot(model).gateway.settings.api_key
+
+    def rollout_base_url(self, model: ModelSpec, rollout_id: str) -> str:
+        return self._slot(model).gateway.rollout_base_url(rollout_id)
+
+    def rollout_records(self, model: ModelSpec, rollout_id: str) -> list[ExchangeRecord]:
+        return self._slot(model).gateway.records.for_rollout(rollout_id)
+
+    async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig) -> TrainResult:
+        result = await self.train_step(model, groups, config)
+        return TrainResult(metrics=result["metrics"], step=result["step"])
+
+    async def train_step(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig, *,
+                         return_gradients: bool = False) -> dict[str, Any]:
+        """``train``, returning more: ``metrics``, ``step``, ``shares`` (group indices per rank) and, when
+        ``return_gradients``, each rank's summed LoRA gradients (name -> array) before the optimizer step."""
+        import warnings
+
+        from ...training.checkpoints import write_checkpoint
+        from ...training.trainer import ZeroVarianceGroupsWarning
+        from .replicas import adapter_files
+
+        slot = self._slot(model)
+        groups = list(groups)
+        await slot.gateway.pause_for_training()  # in-flight requests finish; new ones wait
+        try:
+            next_step = slot.step + 1
+            # Everything the step learns from is on disk before it starts.
+            write_groups_jsonl(_free_path(slot.model_dir / "trajectories", f"{next_step:04d}"), groups)
+            result = await slot.trainer.train(groups, config, return_gradients=return_gradients)
+            for message in result["warnings"]:
+                warnings.warn(ZeroVarianceGroupsWarning(message), stacklevel=3)
+            metrics = result["metrics"]
+            if metrics.get("trained"):
+                files = result["checkpoint"]
+                path = write_checkpoint(slot.model_dir, next_step, lambda d: _write_files(d, files),
+                                        metadata={"loss": config.loss, "reward_mean": metrics["reward_mean"]})
+                slot.step = next_step
+                await slot.router.load_adapter_files(adapter_files(path), next_step)
+            _append_history(slot.model_dir / "history.jsonl", {"step": slot.step, "time": time.time(), **metrics})
+        finally:
+            # Checks that every replica serves the step just written; requests stay held if not.
+            await slot.gateway.resume_after_training(slot.step)
+        out = {"metrics": metrics, "step": slot.step, "shares": result["shares"]}
+        if return_gradients:
+            out["gradients"] = result["gradients"]
+        return out
+
+    async def sample(self, model: ModelSpec, messages: Sequence[dict[str, Any]], *, n: int, max_tokens: int,
+                     temperature: float, tools: list[dict[str, Any]] | None, seed: int | None) -> list[Trajectory]:
+        slot = self._slot(model)
+        tokenizer = slot.router.tokenizer
+        messages = list(messages)
+        prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                               return_dict=False)
+        prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)
+        async with slot.gateway.control.admitted():  # waits while a step runs, like a gateway request
+            completions = await slot.router.generate(prompt, params)
+        return [Trajectory(
+            messages=[*(Message.model_validate(m) for m in messages),
+                      Message(role="assistant", content=tokenizer.decode(c.token_ids, skip_special_tokens=True))],
+            tools=tools or [],
+            calls=[CallRecord(prompt_token_ids=prompt, completion_token_ids=c.token_ids, logprobs=c.logprobs,
+                              adapter_step=c.adapter_step, finish_reason=c.finish_reason)],
+        ) for c in completions]
+
+    async def checkpoints(self, model: ModelSpec) -> list[int]:
+        from ...training.checkpoints import list_checkpoints
+
+        self._check_open()
+        return [c.step for c in list_checkpoints(self.model_dir(model))]
+
+    async def delete_checkpoints(self, model: ModelSpec, steps: Sequence[int]) -> list[int]:
+        from ...training.checkpoints import delete_checkpoints
+
+        slot = self._slot(model)
+        return delete_checkpoints(slot.model_dir, steps, keep=slot.step)
+
+    async def history(self, model: ModelSpec) -> list[dict[str, Any]]:
+        self._check_open()
+        return read_history(self.model_dir(model) / "history.jsonl")
+
+    async def aclose(self) -> None:
+        """Stop the gateways, the actors and, when this backend started it, the local Ray cluster."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._slots and not self._started:
+            return  # never reached Ray (it may not even be installed)
+        import ray
+
+        for slot in self._slots.values():
+            await slot.gateway.aclose()
+            await slot.router.aclose()
+            await slot.trainer.aclose()
+            for actor in [*slot.router.all_replicas, *(w for p in slot.pools.values() for w in p.workers)]:
+                ray.kill(actor)  # our own actors, by handle
+        self._slots.clear()
+        if self._started:
+            ray.shutdown()
+        if self._env_before is not None:  # undo what starting the local cluster set (see _ray)
+            for name, value in self._env_before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value  # disconnects; also stops the processes of a cluster this driver started
+
+    # -- beyond the contract: rollouts on workers -----------------------------------------------------
+
+    async def gather(self, model: ModelSpec, rollout: str, tasks: Sequence[Any], *, n: int) -> list[TrajectoryGroup]:
+        """``n`` rollouts of each task on the rollout workers, as one group per task (in task order).
+
+        Args:
+            model: the model (``model.spec``).
+            rollout: ``"package.module:function"``, an ``async def fn(model, task) -> Trajectory``
+                importable on every node.
+            tasks: JSON-serialisable task descriptions handed to ``fn``.
+            n: rollouts per task (the group size).
+
+        Returns:
+            The groups; rollouts that failed are listed in ``group.exceptions`` (see ``rollout_stats``).
+        """
+        from .rollouts import RolloutPool, RolloutWorker, import_rollout
+
+        slot = self._slot(model)
+        pool = slot.pools.get(rollout)
+        if pool is None:
+            import_rollout(rollout)  # a typo fails here, with the path, not in every worker
+            ray = self._ray()
+            actor = ray.remote(RolloutWorker).options(
+                num_cpus=self.cpus_per_rollout_worker, resources=self.resources.get("rollout") or None,
+                scheduling_strategy="SPREAD", max_concurrency=self.rollouts_per_worker + 1)
+            spec = model.model_dump(mode="json")
+            pool = RolloutPool(lambda: actor.remote(rollout=rollout, gateway_url=slot.worker_url,
+                                                    api_key=self.api_key, spec=spec, step=slot.step),
+                               workers=self.rollout_workers, per_worker=self.rollouts_per_worker,
+                               max_attempts=self.max_rollout_attempts)
+            slot.pools[rollout] = pool
+        return await pool.gather(list(tasks), n=n, step=slot.step)
+
+    def rollout_stats(self, model: ModelSpec, rollout: str) -> RolloutStats:
+        """What the last ``gather`` of ``rollout`` did: succeeded, failed with a lost worker, retried..."""
+        pool = self._slot(model).pools.get(rollout)
+        if pool is None:
+            raise LifecycleError(f"no rollout of {rollout!r} was gathered on this backend yet")
+        return pool.stats
+
+    def router(self, model: ModelSpec) -> ReplicaRouter:
+        """The model's replica router (the engine behind its gateway): replicas, routing counts, steps."""
+        return self._slot(model).router
+
+    def trainer_group(self, model: ModelSpec) -> TrainerGroup:
+        """The model's trainer group (its rank actors)."""
+        return self._slot(model).trainer
+
+    # -- helpers --------------------------------------------------------------------------------------
+
+    def _ray(self) -> Any:
+        try:
+            import ray
+        except ImportError as exc:
+            raise ConfigError("RayBackend needs Ray: pip install 'art-core[distributed]'") from exc
+        if not self._started:
+            if ray.is_initialized():
+                pass  # the caller connected (e.g. to a test cluster): use it, and leave it connected
+            elif self.address is None:
+                temp = (self.path / "ray").resolve()
+                temp.mkdir(parents=True, exist_ok=True)
+                # Ray enables token auth for a new local cluster (setting RAY_AUTH_MODE in this process) and
+                # would save the token in ~/.ray; keep it under the run's folder, and restore both on close.
+                self._env_before = {name: os.environ.get(name) for name in _AUTH_ENV}
+                if not any(self._env_before.values()):
+                    token = temp / "auth_token"
+                    if not _TOKEN:
+                        _TOKEN.append(secrets.token_hex(32))
+                    token.touch(mode=0o600)
+                    token.write_text(_TOKEN[0])
+                    os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
+                ray.init(_temp_dir=str(temp), include_dashboard=False, runtime_env=self.runtime_env,
+                         log_to_driver=False)
+                self._started = True
+            else:
+                ray.init(address=self.address, runtime_env=self.runtime_env, log_to_driver=False)
+                self._started = True
+        return ray
+
+    def _slot(self, model: ModelSpec) -> _Slot:
+        self._check_open()
+        slot = self._slots.get((model.project, model.name))
+        if slot is None:
+            raise LifecycleError(f"model {model.name!r} is not registered with this backend")
+        return slot
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LifecycleError("this RayBackend is closed; create a new one")
+
+
+def _write_files(folder: Path, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        (folder / name).write_bytes(data)

@@ -1,0 +1,250 @@
+"""Engine replicas as Ray actors, and the router that puts them behind the one gateway.
+
+    gateway (driver) --Engine protocol--> ReplicaRouter --least loaded, sticky per rollout--> EngineReplica x N
+
+The gateway renders prompts and records token ids; a replica only samples tokens. The router is an
+``Engine`` like any other, so the gateway does not know there are replicas: it picks, for each request,
+the replica the request's rollout already uses (its prefix cache holds the rollout's history) or else
+the one with the fewest requests in flight. ``adapter_step`` is the step every live replica serves, so
+the gateway's training handshake resumes only when all of them serve the new checkpoint.
+
+A replica that dies (its node is lost) is dropped; its requests in flight are re-run on another replica
+(nothing was recorded for them yet: the gateway records after the engine returns).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from ...engines.base import EngineOutput, SamplingParams, check_adapter_path, routing_key
+from ...errors import EngineError
+
+__all__ = ["EngineReplica", "ReplicaRouter", "adapter_files"]
+
+logger = logging.getLogger(__name__)
+
+_STICKY_ROLLOUTS = 10_000  # rollouts remembered for stickiness; the oldest are forgotten first
+
+
+def adapter_files(folder: Path) -> dict[str, bytes]:
+    """The files of a PEFT adapter folder (config and weights; not the optimizer), to ship by value."""
+    check_adapter_path(folder)
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())
+            if p.is_file() and p.name.startswith("adapter_")}
+
+
+class EngineReplica:
+    """One inference engine in a Ray actor (wrapped with ``ray.remote`` by ``RayBackend``).
+
+    Args:
+        base_dir: the base model: a registered name or a folder on the replica's node.
+        adapter: adapter files (``adapter_files``) to serve at start, or None for a fresh adapter.
+        lora: the adapter's shape (``LoraSettings`` as a dict), used when ``adapter`` is None.
+        step: the checkpoint step ``adapter`` is.
+        engine: ``"transformers"`` (vLLM replicas: see ``RayBackend``'s docstring).
+        num_threads: torch threads for this replica (None: torch's default).
+        scratch: a folder on the replica's node for adapters received (default: a temporary folder).
+    """
+
+    def __init__(self, *, base_dir: str, adapter: dict[str, bytes] | None, lora: dict[str, Any], step: int,
+                 engine: str = "transformers", num_threads: int | None = None, scratch: str | None = None) -> None:
+        import torch
+
+        from ...config import LoraSettings
+        from ...engines.transformers import TransformersEngine
+        from ...models import resolve_base_model
+        from ...training.trainer import load_policy
+
+        if engine != "transformers":
+            raise EngineError(f"replica engine {engine!r} is not available: use 'transformers'")
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self._scratch = Path(scratch or tempfile.mkdtemp(prefix="art-replica-"))
+        self._scratch.mkdir(parents=True, exist_ok=True)
+        adapter_dir = self._write(adapter, step) if adapter else None
+        policy, tokenizer = load_policy(resolve_base_model(base_dir), LoraSettings.model_validate(lora), device="cpu"
+                                        if not torch.cuda.is_available() else "cuda", adapter_dir=adapter_dir)
+        policy.eval()
+        self.engine = TransformersEngine(policy, tokenizer, adapter_step=step)
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[EngineOutput]:
+        return await self.engine.generate(prompt_token_ids, params)
+
+    async def load_adapter(self, files: dict[str, bytes], step: int) -> int:
+        """Hot-load adapter ``files`` as checkpoint ``step`` (no base reload). Returns the step now served."""
+        await self.engine.load_adapter(self._write(files, step), step)
+        return self.engine.adapter_step
+
+    async def adapter_step(self) -> int:
+        return self.engine.adapter_step
+
+    async def pause(self) -> None:
+        await self.engine.pause()
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def health(self) -> dict[str, Any]:
+        import ray
+
+        return {**await self.engine.health(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    async def logprobs_of(self, token_ids: list[int]) -> list[float]:
+        """Log-probabilities of ``token_ids[1:]`` under the adapter served now (to verify what a replica serves)."""
+        import torch
+
+        def score() -> list[float]:
+            model = self.engine.model
+            with torch.no_grad():
+                ids = torch.tensor([token_ids], device=model.device)
+                logits = model(input_ids=ids).logits.float()  # [1, T, V]
+                logps = torch.log_softmax(logits[0, :-1], dim=-1)
+                return logps.gather(1, ids[0, 1:, None])[:, 0].tolist()
+
+        return await asyncio.to_thread(score)
+
+    async def aclose(self) -> None:
+        await self.engine.aclose()
+
+    def _write(self, files: dict[str, bytes], step: int) -> Path:
+        folder = self._scratch / f"step-{step:04d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            (folder / name).write_bytes(data)
+        return folder
+
+
+class ReplicaRouter:
+    """An ``Engine`` that spreads requests over ``EngineReplica`` actors: least loaded, sticky per rollout.
+
+    Args:
+        replicas: actor handles of ``EngineReplica``.
+        tokenizer: the model's tokenizer (the gateway renders prompts with it).
+        step: the checkpoint step every replica serves at start.
+    """
+
+    def __init__(self, replicas: list[Any], tokenizer: Any, *, step: int) -> None:
+        if not replicas:
+            raise EngineError("a ReplicaRouter needs at least one replica")
+        self.tokenizer = tokenizer
+        self._replicas = list(replicas)
+        self._load = [0] * len(replicas)  # requests in flight per replica
+        self._served = [step] * len(replicas)  # step each replica confirmed serving
+        self._alive = [True] * len(replicas)
+        self._sticky: OrderedDict[str, int] = OrderedDict()  # rollout id -> replica index
+        self.routed = [0] * len(replicas)
+        """Requests sent to each replica (for tests and metrics)."""
+        self.sticky_hits = 0
+        """Requests sent to the replica their rollout already used."""
+
+    # -- the Engine protocol --------------------------------------------------------------------------
+
+    @property
+    def adapter_step(self) -> int:
+        """The step every live replica serves (-1 while they differ, e.g. in the middle of a load)."""
+        steps = {s for s, alive in zip(self._served, self._alive) if alive}
+        return steps.pop() if len(steps) == 1 else -1
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[EngineOutput]:
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+        key = routing_key.get()
+        while True:
+            i = self._pick(key)
+            self._load[i] += 1
+            self.routed[i] += 1
+            try:
+                return await self._replicas[i].generate.remote(prompt_token_ids, params)
+            except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
+                # Nothing was recorded for this request yet: run it again on a replica still alive.
+                self._drop(i, exc)
+            finally:
+                self._load[i] -= 1
+
+    async def load_adapter(self, path: Path, step: int) -> None:
+        """Ship the adapter in ``path`` to every replica through the object store; each hot-loads it."""
+        await self.load_adapter_files(adapter_files(Path(path)), step)
+
+    async def load_adapter_files(self, files: dict[str, bytes], step: int) -> None:
+        """Hot-load adapter ``files`` as ``step`` on every live replica; returns once each confirmed it."""
+        import ray
+
+        ref = ray.put(files)  # one copy in the object store, fetched once per node
+        live = self._live()
+        steps = await asyncio.gather(*(self._replicas[i].load_adapter.remote(ref, step) for i in live),
+                                     return_exceptions=True)
+        for i, served in zip(live, steps):
+            if isinstance(served, BaseException):
+                self._drop(i, served)
+            else:
+                self._served[i] = int(served)
+
+    async def pause(self) -> None:
+        await self._each("pause")
+
+    async def resume(self) -> None:
+        await self._each("resume")
+
+    async def health(self) -> dict[str, Any]:
+        live = self._live()
+        replies = await asyncio.gather(*(self._replicas[i].health.remote() for i in live), return_exceptions=True)
+        return {"engine": "ray-replicas", "adapter_step": self.adapter_step, "replicas": len(self._replicas),
+                "alive": len(live), "in_flight": [self._load[i] for i in live], "routed": list(self.routed),
+                "replica_health": [r if isinstance(r, dict) else {"error": repr(r)} for r in replies]}
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(self._replicas[i].aclose.remote() for i in self._live()), return_exceptions=True)
+
+    # -- replicas -------------------------------------------------------------------------------------
+
+    @property
+    def replicas(self) -> list[Any]:
+        """Handles of the live replicas."""
+        return [self._replicas[i] for i in self._live()]
+
+    @property
+    def all_replicas(self) -> list[Any]:
+        """Handles of every replica started, live or lost."""
+        return list(self._replicas)
+
+    def _live(self) -> list[int]:
+        return [i for i, alive in enumerate(self._alive) if alive]
+
+    def replica_of(self, rollout_id: str) -> int | None:
+        """The replica a rollout's calls go to (None: not seen, or forgotten)."""
+        return self._sticky.get(rollout_id)
+
+    def _pick(self, key: str | None) -> int:
+        live = self._live()
+        if not live:
+            raise EngineError("every engine replica died: nothing left to sample with (see the Ray logs)")
+        if key is not None:
+            i = self._sticky.get(key)
+            if i is not None and self._alive[i]:
+                self._sticky.move_to_end(key)
+                self.sticky_hits += 1
+                return i
+        i = min(live, key=lambda j: (self._load[j], self.routed[j]))
+        if key is not None:
+            self._sticky[key] = i
+            if len(self._sticky) > _STICKY_ROLLOUTS:
+                self._sticky.popitem(last=False)
+        return i
+
+    def _drop(self, i: int, exc: BaseException) -> None:
+        if self._alive[i]:
+            logger.warning("engine replica %d is lost (%s); routing its requests to the others", i, exc)
+        self._alive[i] = False
+
+    async def _each(self, method: str) -> None:
+        live = self._live()
+        results = await asyncio.gather(*(getattr(self._replicas[i], method).remote() for i in live),
+                                       return_exceptions=True)
+        for i, result in zip(live, results):
+            if isinstance(result, BaseException):
+                self._drop(i, result)

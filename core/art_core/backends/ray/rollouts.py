@@ -1,0 +1,269 @@
+"""Rollout workers: async Ray actors that run the user's agent against the gateway, and the pool that feeds them.
+
+The user's rollout function is named by import path, ``"package.module:function"``, so it is imported
+on the worker's node (not pickled from the driver). It is called as ``await fn(model, task)``: ``model``
+is a ``TrainableModel`` whose gateway is the driver's (its URLs, key and records, reached over HTTP), so
+``trainable(graph, model)`` and ``TrainableRunner`` work in the worker unchanged. It returns a
+``Trajectory``, which comes back to the driver as JSON.
+
+A worker that dies (its node is lost) takes its rollouts with it: each is counted failed and run again
+on another worker, up to ``max_attempts`` times; a rollout that raises in the user's code is counted and
+left out of its group (``group.exceptions``), as ``gather_group`` does in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...config import LoraSettings
+from ...errors import ConfigError, LifecycleError
+from ...types import Trajectory, TrajectoryGroup
+from ..base import ModelSpec
+
+__all__ = ["GatewayView", "RolloutPool", "RolloutStats", "RolloutWorker", "import_rollout"]
+
+logger = logging.getLogger(__name__)
+
+RolloutFn = Callable[[Any, Any], Awaitable[Trajectory]]
+
+
+def import_rollout(path: str) -> RolloutFn:
+    """The function named by ``"package.module:function"``.
+
+    Raises:
+        ConfigError: the path is malformed, or the module or function cannot be found.
+    """
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"rollout {path!r} is not an import path: write 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"cannot import {module_name!r} for rollout {path!r} on this node: {exc}; install it "
+                          "on every node, or pass runtime_env={'py_modules': [...]} to RayBackend") from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"{module_name!r} has no function {attr!r} (rollout {path!r})")
+    return fn  # type: ignore[no-any-return]
+
+
+class GatewayView:
+    """A ``Backend`` that only reaches a gateway over HTTP: what a rollout worker's ``TrainableModel`` needs.
+
+    Training and sampling stay with the driver; those calls raise ``LifecycleError``.
+
+    Args:
+        url: the gateway's root URL (``http://host:port``).
+        api_key: its bearer token, if it wants one.
+        step: the step it serves.
+    """
+
+    def __init__(self, url: str, api_key: str | None, step: int) -> None:
+        self.url, self.key, self.step = url.rstrip("/"), api_key, step
+
+    async def register(self, model: ModelSpec) -> int:
+        return self.step
+
+    def base_url(self, model: ModelSpec) -> str:
+        return f"{self.url}/v1"
+
+    def api_key(self, model: ModelSpec) -> str | None:
+        return self.key
+
+    def rollout_base_url(self, model: ModelSpec, rollout_id: str) -> str:
+        return f"{self.url}/rollouts/{rollout_id}/v1"
+
+    def rollout_records(self, model: ModelSpec, rollout_id: str) -> list[Any]:
+        import httpx
+
+        from ...gateway.records import ExchangeRecord
+
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
+        response = httpx.get(f"{self.url}/rollouts/{rollout_id}/records", headers=headers, timeout=60)
+        response.raise_for_status()
+        return [ExchangeRecord.model_validate(r) for r in response.json()]
+
+    def model_dir(self, model: ModelSpec) -> Path:
+        raise LifecycleError("a rollout worker has no model folder: checkpoints live with the RayBackend's driver")
+
+    async def train(self, *args: Any, **kwargs: Any) -> Any:
+        raise LifecycleError("rollout workers do not train: return trajectories, the driver trains on them")
+
+    async def sample(self, *args: Any, **kwargs: Any) -> Any:
+        raise LifecycleError("rollout workers do not sample directly: call the gateway (model.base_url)")
+
+    async def checkpoints(self, model: ModelSpec) -> list[int]:
+        raise LifecycleError("checkpoints live with the RayBackend's driver")
+
+    async def delete_checkpoints(self, model: ModelSpec, steps: Sequence[int]) -> list[int]:
+        raise LifecycleError("checkpoints live with the RayBackend's driver")
+
+    async def history(self, model: ModelSpec) -> list[dict[str, Any]]:
+        raise LifecycleError("history lives with the RayBackend's driver")
+
+    async def aclose(self) -> None:
+        return None
+
+
+class RolloutWorker:
+    """Runs one user rollout function, many rollouts at once (an async Ray actor; see the module docstring).
+
+    Args:
+        rollout: ``"package.module:function"``.
+        gateway_url: the gateway's root URL.
+        api_key: its bearer token, if any.
+        spec: the model (``ModelSpec`` as a dict).
+        step: the step served when the worker starts.
+    """
+
+    def __init__(self, *, rollout: str, gateway_url: str, api_key: str | None, spec: dict[str, Any],
+                 step: int) -> None:
+        self.fn = import_rollout(rollout)
+        self.spec = ModelSpec.model_validate(spec)
+        self.url, self.api_key = gateway_url, api_key
+
+    async def run(self, task: Any, step: int) -> dict[str, Any]:
+        """One rollout of ``task``; returns the trajectory as JSON (``Trajectory.model_dump(mode="json")``)."""
+        from ...model import TrainableModel
+
+        # A model object per rollout (cheap: it holds names), so model.step is the driver's step now.
+        model = TrainableModel(name=self.spec.name, project=self.spec.project, base_model=self.spec.base_model,
+                               lora=LoraSettings.model_validate(self.spec.lora.model_dump()))
+        await model.register(GatewayView(self.url, self.api_key, step))
+        trajectory = await self.fn(model, task)
+        if not isinstance(trajectory, Trajectory):
+            raise ConfigError(f"the rollout function returned {type(trajectory).__name__}, not a Trajectory")
+        return trajectory.model_dump(mode="json")
+
+    async def ping(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+
+@dataclass
+class RolloutStats:
+    """What a ``RolloutPool.gather`` call did."""
+
+    rollouts: int = 0
+    """Rollouts asked for."""
+    succeeded: int = 0
+    failed_lost_worker: int = 0
+    """Attempts lost with their worker (each was run again, up to ``max_attempts``)."""
+    failed_exception: int = 0
+    """Rollouts whose function raised (left out of their group, listed in ``group.exceptions``)."""
+    retried: int = 0
+    gave_up: int = 0
+    """Rollouts still failing after ``max_attempts`` tries (listed in ``group.exceptions``)."""
+    per_worker: dict[int, int] = field(default_factory=dict)
+    """Successful rollouts per worker index."""
+
+
+class RolloutPool:
+    """Feeds rollouts to worker actors, at most ``per_worker`` at a time on each, retrying lost ones.
+
+    Args:
+        make_worker: creates a new worker actor (used at start and to replace dead ones).
+        workers: how many workers to keep.
+        per_worker: rollouts in flight per worker.
+        max_attempts: tries per rollout when workers are lost.
+    """
+
+    def __init__(self, make_worker: Callable[[], Any], *, workers: int, per_worker: int = 4,
+                 max_attempts: int = 3) -> None:
+        if workers < 1 or per_worker < 1 or max_attempts < 1:
+            raise ConfigError(f"workers, per_worker and max_attempts must be at least 1, got {workers}, "
+                              f"{per_worker}, {max_attempts}")
+        self._make = make_worker
+        self.workers: list[Any] = [make_worker() for _ in range(workers)]
+        self.per_worker = per_worker
+        self.max_attempts = max_attempts
+        self.stats = RolloutStats()
+
+    async def gather(self, tasks: Sequence[Any], *, n: int, step: int) -> list[TrajectoryGroup]:
+        """``n`` rollouts of each task, as one group per task (in order)."""
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, WorkerCrashedError
+
+        lost_errors = (ActorDiedError, ActorUnavailableError, RayActorError, WorkerCrashedError)
+        stats = self.stats = RolloutStats(rollouts=len(tasks) * n)
+        results: list[list[Trajectory]] = [[] for _ in tasks]
+        exceptions: list[list[str]] = [[] for _ in tasks]
+        queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()  # (task index, attempt)
+        for ti in range(len(tasks)):
+            for _ in range(n):
+                queue.put_nowait((ti, 1))
+        pending = len(tasks) * n
+        done = asyncio.Event()
+        if pending == 0:
+            return []
+
+        async def slot(wi: int) -> None:
+            nonlocal pending
+            while not done.is_set():
+                try:
+                    ti, attempt = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    await asyncio.sleep(0.02)
+                    continue
+                worker = self.workers[wi]
+                try:
+                    data = await worker.run.remote(tasks[ti], step)
+                except lost_errors as exc:
+                    stats.failed_lost_worker += 1
+                    if attempt < self.max_attempts:
+                        stats.retried += 1
+                        queue.put_nowait((ti, attempt + 1))
+                    else:
+                        stats.gave_up += 1
+                        exceptions[ti].append(f"lost worker, {attempt} attempts: {exc}")
+                        pending -= 1
+                        if pending == 0:
+                            done.set()
+                    logger.warning("rollout worker %d lost (%s); its rollout is retried elsewhere", wi, type(exc).__name__)
+                    return  # this worker is gone: its slots stop taking work
+                except Exception as exc:
+                    stats.failed_exception += 1
+                    exceptions[ti].append(f"{type(exc).__name__}: {exc}")
+                    pending -= 1
+                else:
+                    results[ti].append(Trajectory.model_validate(data))
+                    stats.succeeded += 1
+                    stats.per_worker[wi] = stats.per_worker.get(wi, 0) + 1
+                    pending -= 1
+                if pending == 0:
+                    done.set()
+
+        slots = [asyncio.create_task(slot(wi)) for wi in range(len(self.workers)) for _ in range(self.per_worker)]
+        watcher = asyncio.create_task(done.wait())
+        try:
+            while not done.is_set():
+                alive = [s for s in slots if not s.done()]
+                if not alive:
+                    break
+                await asyncio.wait([*alive, watcher], return_when=asyncio.FIRST_COMPLETED)
+                for s in slots:
+                    if s.done() and not s.cancelled() and s.exception() is not None:
+                        raise s.exception()  # type: ignore[misc]
+            if not done.is_set():
+                raise LifecycleError(f"every rollout worker was lost with {pending} rollout(s) left: "
+                                     "add nodes, or RayBackend(rollout_workers=...) more workers")
+        finally:
+            watcher.cancel()
+            for s in slots:
+                s.cancel()
+        await self._replace_dead()
+        return [TrajectoryGroup(trajectories, exceptions=errors) for trajectories, errors in zip(results, exceptions)]
+
+    async def _replace_dead(self) -> None:
+        """Start a new worker for each one whose node is gone, so the next gather has the full pool."""
+        for wi, worker in enumerate(self.workers):
+            try:
+                await asyncio.wait_for(worker.ping.remote(), timeout=30)
+            except Exception:  # any failure to answer: replace it
+                self.workers[wi] = self._make()

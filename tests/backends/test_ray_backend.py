@@ -1,0 +1,177 @@
+"""RayBackend on a simulated 2-node Ray cluster (``ray.cluster_utils.Cluster``) on this machine.
+
+One scenario, in order, on one cluster (starting Ray and its actors is most of the cost):
+2 transformers replicas behind the gateway, 8 rollout workers running a LangGraph agent, a 2-rank gloo
+trainer group whose summed LoRA gradients match one process, the adapter shipped to both replicas and
+checked there, then a node removed mid-rollout: its rollouts are counted failed and run again, every
+group comes back whole, and training goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="needs art-core[distributed]")
+
+from art_core import LoraSettings, TrainableModel, TrainConfig  # noqa: E402
+from art_core.backends.ray import RayBackend  # noqa: E402
+from art_core.training.trainer import GRPOTrainer, load_policy  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+HERE = Path(__file__).resolve().parent
+ROLLOUT = "ray_agents:solve"
+
+
+@pytest.fixture(scope="module")
+def scripted_dir(smollm2_dir: Path, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from ray_agents import script
+    from scripted_model import fit_scripted_model
+
+    cache = getattr(request.config, "cache", None)
+    folder = cache.mkdir("art-scripted-models") if cache is not None else tmp_path_factory.mktemp("scripted")
+    return fit_scripted_model(smollm2_dir, script(), folder)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from ray.cluster_utils import Cluster
+
+    # Ray's socket paths must stay short: its temp folder is a short one made for this module.
+    temp = tempfile.mkdtemp(prefix="art-ray-", dir="/tmp")
+    before = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = temp  # Ray's address file goes here too, not to /tmp/ray
+    os.mkdir(os.path.join(temp, "ray"))
+    cluster = Cluster(shutdown_at_exit=False)
+    try:
+        cluster.add_node(num_cpus=8, resources={"head": 100}, temp_dir=os.path.join(temp, "ray"),
+                         include_dashboard=False)
+        cluster.worker = cluster.add_node(num_cpus=8)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()  # stops this cluster's own processes (by their handles, not by name)
+    if before is None:
+        os.environ.pop("RAY_TMPDIR", None)
+    else:
+        os.environ["RAY_TMPDIR"] = before
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def _runtime_env() -> dict[str, Any]:
+    root = HERE.parent.parent
+    paths = [str(root / "core"), str(root), str(HERE.parent), str(HERE)]
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1",
+                         "TOKENIZERS_PARALLELISM": "false"}}
+
+
+class _Recording:
+    """The single-process reference: no other rank, so sums are the values; keeps the gradients."""
+
+    def __init__(self) -> None:
+        self.recorded: list[Any] = []
+
+    def sum(self, values: list[float]) -> list[float]:
+        return values
+
+    def gradients(self, params: Any) -> None:
+        self.recorded = [p.grad.detach().clone() for p in params]
+
+
+async def test_ray_backend_scenario(cluster: Any, scripted_dir: Path, tmp_path: Path) -> None:
+    import torch
+
+    lora = LoraSettings(rank=4, alpha=8)
+    model = TrainableModel(name="agent", base_model=scripted_dir, lora=lora)
+    backend = RayBackend(address=cluster.address, path=tmp_path, inference_replicas=2, trainer_workers=2,
+                         rollout_workers=8, rollouts_per_worker=2, num_threads=1, cpus_per_replica=1,
+                         cpus_per_rank=1, runtime_env=_runtime_env(),
+                         resources={"trainer": {"head": 1}})
+    async with backend:
+        await model.register(backend)
+        router = backend.router(model.spec)
+        assert len(router.replicas) == 2
+        nodes = {h["node_id"] for h in (await router.health())["replica_health"]}
+        assert len(nodes) == 2, "the two replicas were spread over the two nodes"
+
+        # --- 8 rollout workers run the LangGraph agent against the one gateway ---
+        groups = await backend.gather(model.spec, ROLLOUT, [{"delay": 0.0}] * 4, n=4)
+        stats = backend.rollout_stats(model.spec, ROLLOUT)
+        assert stats.succeeded == 16 and stats.failed_exception == 0, stats
+        assert [len(g) for g in groups] == [4, 4, 4, 4]
+        for group in groups:
+            for t in group.trajectories:
+                assert len(t.calls) == 3 and t.messages[-1].content == "The answer is 14."
+                assert all(c.adapter_step == 0 and c.logprobs for c in t.calls)
+                assert router.replica_of(t.metadata["rollout_id"]) in (0, 1)
+        assert all(n > 0 for n in router.routed), f"both replicas served requests: {router.routed}"
+        # Stickiness: the rollout id reaches the router through the gateway, so each rollout's 2nd and 3rd
+        # calls go to the replica its first call went to.
+        assert sum(router.routed) == 48 and router.sticky_hits == 32
+
+        # --- a 2-rank step: gradients equal one process's; the adapter goes to both replicas ---
+        before = await backend.trainer_group(model.spec).adapter()
+        start_dir = tmp_path / "start-adapter"
+        start_dir.mkdir()
+        for name, data in before.items():
+            (start_dir / name).write_bytes(data)
+        config = TrainConfig(learning_rate=1e-3)
+        result = await backend.train_step(model.spec, groups, config, return_gradients=True)
+        assert result["step"] == 1 and result["metrics"]["trained"] == 1.0
+        assert all(result["shares"]), f"both ranks got groups: {result['shares']}"
+        rank0, rank1 = result["gradients"]
+        policy, tokenizer = load_policy(scripted_dir, lora, device="cpu", adapter_dir=start_dir)
+        reference = _Recording()
+        GRPOTrainer(policy, tokenizer).train_step(groups, config, sync=reference)
+        names = [n for n, p in policy.named_parameters() if p.requires_grad]
+        diff = max(float((torch.tensor(rank0[n]) - g).abs().max()) for n, g in zip(names, reference.recorded))
+        scale = max(float(g.abs().max()) for g in reference.recorded)
+        rank_diff = max(float(abs(rank0[n] - rank1[n]).max()) for n in names)
+        print(f"LoRA gradient max abs diff, 2 ranks vs 1 process: {diff:.3e} (largest gradient {scale:.3e}); "
+              f"rank 0 vs rank 1: {rank_diff:.3e}")
+        assert scale > 0 and diff <= 1e-4 * scale  # relative: the scripted model's gradients are tiny
+        assert rank_diff == 0.0
+
+        # The new adapter is served by both replicas: their log-probs equal the checkpoint's in one process.
+        ckpt = tmp_path / "default" / "models" / "agent" / "checkpoints" / "0001"
+        assert (ckpt / "adapter_model.safetensors").is_file()
+        assert router.adapter_step == 1 and await backend.checkpoints(model.spec) == [1]
+        trained, _ = load_policy(scripted_dir, lora, device="cpu", adapter_dir=ckpt)
+        ids = groups[0].trajectories[0].calls[0].prompt_token_ids + groups[0].trajectories[0].calls[0].completion_token_ids
+        with torch.no_grad():
+            logits = trained(input_ids=torch.tensor([ids])).logits.float()[0, :-1]
+            want = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        for replica in router.replicas:
+            assert await replica.adapter_step.remote() == 1
+            got = torch.tensor(await replica.logprobs_of.remote(ids))
+            assert float((got - want).abs().max()) < 1e-4
+        base_policy, _ = load_policy(scripted_dir, lora, device="cpu", adapter_dir=start_dir)
+        with torch.no_grad():
+            old = torch.log_softmax(base_policy(input_ids=torch.tensor([ids])).logits.float()[0, :-1], -1)
+            old = old.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        assert float((old - want).abs().max()) > 1e-4, "the step changed the served log-probs"
+
+        # --- a node is lost mid-rollout: its rollouts fail, are counted and run again; training goes on ---
+        gathering = asyncio.create_task(
+            backend.gather(model.spec, ROLLOUT, [{"delay": 1.5}] * 4, n=4))
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(cluster.remove_node, cluster.worker, False)
+        groups = await asyncio.wait_for(gathering, timeout=120)
+        stats = backend.rollout_stats(model.spec, ROLLOUT)
+        print(f"after losing a node: {stats}")
+        assert stats.failed_lost_worker > 0 and stats.retried == stats.failed_lost_worker and stats.gave_up == 0
+        assert stats.succeeded == 16 and [len(g) for g in groups] == [4, 4, 4, 4]
+        assert all(c.adapter_step == 1 for g in groups for t in g.trajectories for c in t.calls)
+        assert len(router.replicas) == 1, "the lost node's replica was dropped"
+        metrics = await model.train(groups, config=config)
+        assert model.step == 2 and metrics["trained"] == 1.0 and router.adapter_step == 2
+        assert len(await backend.history(model.spec)) == 2

@@ -1,0 +1,132 @@
+"""Splitting a step's groups over trainer ranks (``training/distributed.py``), worked out by hand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from art_core import CallRecord, Trajectory, TrajectoryGroup
+from art_core.training.distributed import group_tokens, split_groups_by_tokens
+
+
+def _group(*call_tokens: int) -> TrajectoryGroup:
+    """A group with one trajectory per entry, each with one call of that many tokens (prompt 1, rest completion)."""
+    return TrajectoryGroup([Trajectory(messages=[], calls=[CallRecord(prompt_token_ids=[0],
+                                                                      completion_token_ids=[1] * (n - 1))])
+                            for n in call_tokens])
+
+
+def test_group_tokens_counts_prompt_and_completion_of_every_call() -> None:
+    assert group_tokens(_group(3, 5)) == 8
+
+
+def test_split_balances_tokens_and_keeps_groups_whole() -> None:
+    groups = [_group(10), _group(40), _group(30), _group(20)]
+    # Largest first to the lightest rank: 40 -> r0, 30 -> r1, 20 -> r1 (30 < 40), 10 -> r0 (40 < 50).
+    assert split_groups_by_tokens(groups, 2) == [[0, 1], [2, 3]]
+    assert split_groups_by_tokens(groups, 1) == [[0, 1, 2, 3]]
+
+
+def test_split_with_more_ranks_than_groups_leaves_ranks_empty() -> None:
+    assert split_groups_by_tokens([_group(5)], 3) == [[0], [], []]
+
+
+def test_split_refuses_zero_ranks() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        split_groups_by_tokens([_group(5)], 0)
+
+
+# --- two gloo ranks (torch.multiprocessing, no Ray) against one process ---------------------------------
+
+def _rank_groups(seed: int) -> list[TrajectoryGroup]:
+    """Four groups of three one-call trajectories of different lengths, with unequal rewards."""
+    import random
+
+    rng = random.Random(seed)
+    groups = []
+    for g in range(4):
+        prompt = [rng.randrange(100, 5000) for _ in range(6 + 3 * g)]
+        groups.append(TrajectoryGroup([
+            Trajectory(messages=[], reward=float(i == g % 3) + 0.1 * i,
+                       calls=[CallRecord(prompt_token_ids=prompt,
+                                         completion_token_ids=[rng.randrange(100, 5000) for _ in range(4 + i + g)])])
+            for i in range(3)]))
+    return groups
+
+
+def _rank_main(rank: int, world: int, port: int, model_dir: str, adapter_dir: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from art_core import LoraSettings, TrainConfig
+    from art_core.training.distributed import TorchDistributedSync
+    from art_core.training.trainer import GRPOTrainer, load_policy
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        groups = _rank_groups(0)
+        share = split_groups_by_tokens(groups, world)[rank]
+        policy, tokenizer = load_policy(Path(model_dir), LoraSettings(rank=4, alpha=8), device="cpu",
+                                        adapter_dir=Path(adapter_dir))
+        recorder = _Recorder(TorchDistributedSync())
+        GRPOTrainer(policy, tokenizer).train_step([groups[i] for i in share], TrainConfig(), sync=recorder)
+        torch.save(recorder.recorded, out)
+    finally:
+        dist.destroy_process_group()
+
+
+class _Recorder:
+    """Wraps a sync (or none: one process) and keeps the summed gradients."""
+
+    def __init__(self, inner=None) -> None:
+        self.inner, self.recorded = inner, []
+
+    def sum(self, values):
+        return self.inner.sum(values) if self.inner else values
+
+    def gradients(self, params) -> None:
+        if self.inner:
+            self.inner.gradients(params)
+        self.recorded = [p.grad.detach().clone() for p in params]
+
+
+def test_two_gloo_ranks_sum_to_the_gradient_of_one_process(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    from art_core import LoraSettings, TrainConfig
+    from art_core.training.trainer import GRPOTrainer, load_policy
+
+    lora = LoraSettings(rank=4, alpha=8)
+    policy, tokenizer = load_policy(tiny_model_dir, lora, device="cpu")
+    with torch.no_grad():  # a fresh adapter's B is zero: give it weights so every LoRA matrix gets a gradient
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+    adapter = tmp_path / "adapter"
+    policy.save_pretrained(adapter)
+    reference = _Recorder()
+    GRPOTrainer(policy, tokenizer).train_step(_rank_groups(0), TrainConfig(), sync=reference)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
+    context = mp.get_context("spawn")
+    procs = [context.Process(target=_rank_main, args=(r, 2, port, str(tiny_model_dir), str(adapter), outs[r]))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    rank0, rank1 = (torch.load(o) for o in outs)
+    diff = max(float((a - b).abs().max()) for a, b in zip(rank0, reference.recorded, strict=True))
+    scale = max(float(g.abs().max()) for g in reference.recorded)
+    print(f"LoRA gradient max abs diff, 2 gloo ranks vs 1 process: {diff:.3e} (largest gradient {scale:.3e})")
+    assert scale > 0 and diff <= 1e-4 * scale
+    assert all(torch.equal(a, b) for a, b in zip(rank0, rank1, strict=True)), "both ranks hold the same sum"
