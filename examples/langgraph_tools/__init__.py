@@ -7,9 +7,6 @@ call, then the right answer). ``make demo`` runs this with its defaults on the e
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 from rich.console import Console
 
 from art_core import TrainableModel, TrajectoryGroup

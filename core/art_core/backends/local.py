@@ -22,7 +22,6 @@ raises the engine's error; ``sample`` raises it too. A later successful step res
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,10 +31,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..config import TrainConfig
 from ..engines.base import SamplingParams
 from ..errors import ConfigError, EngineError, LifecycleError
-from ..messages import template_messages
-from ..types import CallRecord, Message, Trajectory, TrajectoryGroup, trace_links, write_groups_jsonl
+from ..types import Trajectory, TrajectoryGroup, trace_links, write_groups_jsonl
 from ._engines import EngineContext, Serving, VLLMOptions, inference_choice
 from ._progress import progress_bar
+from ._shared import append_history, read_history, render_chat, sampled_trajectories, trajectories_path
 from ._trainers import trainer_choice
 from .base import ModelSpec, TrainResult
 
@@ -225,7 +224,7 @@ class LocalBackend:
                 failure = exc
                 metrics["adapter_load_error"] = str(exc)
             metrics["seconds_adapter_load"] = time.perf_counter() - started
-        _append_history(slot.model_dir / "history.jsonl",
+        append_history(slot.model_dir,
                         {"step": slot.step, "time": time.time(), **metrics, **trace_links(groups)})
         if failure is not None:
             slot.error = failure
@@ -259,10 +258,7 @@ class LocalBackend:
         slot = self._slot(model)
         messages = list(messages)
         tokenizer = slot.engine.tokenizer
-        # The gateway's conversion (art_core.messages), so a conversation renders the same prompt either way.
-        prompt = tokenizer.apply_chat_template(template_messages(messages), tools=tools, add_generation_prompt=True,
-                                               tokenize=True, return_dict=False)
-        prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+        prompt = render_chat(tokenizer, messages, tools)
         await slot.ready.wait()  # a step in progress: sample the checkpoint it writes
         if slot.error is not None:
             raise EngineError(f"model {model.name!r}: the engine does not serve checkpoint {slot.step:04d} "
@@ -270,13 +266,7 @@ class LocalBackend:
         # Through the engine's queue, like every gateway request: one decode loop owns the module.
         completions = await slot.engine.generate(prompt, SamplingParams(n=n, max_tokens=max_tokens,
                                                                         temperature=temperature, seed=seed))
-        return [Trajectory(
-            messages=[*(Message.model_validate(m) for m in messages),
-                      Message(role="assistant", content=tokenizer.decode(c.token_ids, skip_special_tokens=True))],
-            tools=tools or [],
-            calls=[CallRecord(prompt_token_ids=prompt, completion_token_ids=c.token_ids, logprobs=c.logprobs,
-                              adapter_step=c.adapter_step, finish_reason=c.finish_reason)],
-        ) for c in completions]
+        return sampled_trajectories(tokenizer, messages, tools, prompt, completions)
 
     async def checkpoints(self, model: ModelSpec) -> list[int]:
         from ..training.checkpoints import list_checkpoints
@@ -292,7 +282,7 @@ class LocalBackend:
 
     async def history(self, model: ModelSpec) -> list[dict[str, Any]]:
         self._check_open()
-        return read_history(self.model_dir(model) / "history.jsonl")
+        return read_history(self.model_dir(model))
 
     # -- serving ----------------------------------------------------------------------------------------
 
@@ -361,7 +351,7 @@ class LocalBackend:
 
         next_step = slot.step + 1
         # Everything the step learns from is on disk before it starts.
-        write_groups_jsonl(_free_path(slot.model_dir / "trajectories", f"{next_step:04d}"), groups)
+        write_groups_jsonl(trajectories_path(slot.model_dir, next_step), groups)
         with progress_bar(f"training step {next_step}", enabled=self.show_progress and report is None) as bar:
             metrics: dict[str, Any] = dict(slot.trainer.train_step(groups, config, progress=report or bar))
         if not metrics.get("trained"):
@@ -395,25 +385,3 @@ class LocalBackend:
             return fn()
         finally:
             torch.set_num_threads(before)
-
-
-def _free_path(folder: Path, stem: str) -> Path:
-    """``folder/stem.jsonl``, or ``stem-2.jsonl``... when an earlier attempt at the same step left one."""
-    path, k = folder / f"{stem}.jsonl", 2
-    while path.exists():
-        path, k = folder / f"{stem}-{k}.jsonl", k + 1
-    return path
-
-
-def read_history(path: Path) -> list[dict[str, Any]]:
-    """The rows of a ``history.jsonl`` (empty when no step was run)."""
-    if not path.is_file():
-        return []
-    with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _append_history(path: Path, row: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", encoding="utf-8") as f:
-        f.write(json.dumps(row, default=float) + "\n")

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 from ...config import TrainConfig
 from ...engines.base import SamplingParams
 from ...errors import ConfigError, LifecycleError
-from ...types import CallRecord, Message, Trajectory, TrajectoryGroup, write_groups_jsonl
+from ...types import Trajectory, TrajectoryGroup, trace_links, write_groups_jsonl
 from ..base import ModelSpec, TrainResult
-from ..local import _append_history, _free_path, read_history
+from .._shared import append_history, read_history, render_chat, sampled_trajectories, trajectories_path
 
 if TYPE_CHECKING:
     from ...gateway import Gateway
@@ -220,7 +220,7 @@ class RayBackend:
         try:
             next_step = slot.step + 1
             # Everything the step learns from is on disk before it starts.
-            write_groups_jsonl(_free_path(slot.model_dir / "trajectories", f"{next_step:04d}"), groups)
+            write_groups_jsonl(trajectories_path(slot.model_dir, next_step), groups)
             result = await slot.trainer.train(groups, config, return_gradients=return_gradients)
             for message in result["warnings"]:
                 warnings.warn(ZeroVarianceGroupsWarning(message), stacklevel=3)
@@ -231,7 +231,7 @@ class RayBackend:
                                         metadata={"loss": config.loss, "reward_mean": metrics["reward_mean"]})
                 slot.step = next_step
                 await slot.router.load_adapter_files(adapter_files(path), next_step)
-            _append_history(slot.model_dir / "history.jsonl", {"step": slot.step, "time": time.time(), **metrics})
+            append_history(slot.model_dir, {"step": slot.step, "time": time.time(), **metrics, **trace_links(groups)})
         finally:
             # Checks that every replica serves the step just written; requests stay held if not.
             await slot.gateway.resume_after_training(slot.step)
@@ -245,19 +245,11 @@ class RayBackend:
         slot = self._slot(model)
         tokenizer = slot.router.tokenizer
         messages = list(messages)
-        prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                               return_dict=False)
-        prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+        prompt = render_chat(tokenizer, messages, tools)
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)
         async with slot.gateway.control.admitted():  # waits while a step runs, like a gateway request
             completions = await slot.router.generate(prompt, params)
-        return [Trajectory(
-            messages=[*(Message.model_validate(m) for m in messages),
-                      Message(role="assistant", content=tokenizer.decode(c.token_ids, skip_special_tokens=True))],
-            tools=tools or [],
-            calls=[CallRecord(prompt_token_ids=prompt, completion_token_ids=c.token_ids, logprobs=c.logprobs,
-                              adapter_step=c.adapter_step, finish_reason=c.finish_reason)],
-        ) for c in completions]
+        return sampled_trajectories(tokenizer, messages, tools, prompt, completions)
 
     async def checkpoints(self, model: ModelSpec) -> list[int]:
         from ...training.checkpoints import list_checkpoints
@@ -273,7 +265,7 @@ class RayBackend:
 
     async def history(self, model: ModelSpec) -> list[dict[str, Any]]:
         self._check_open()
-        return read_history(self.model_dir(model) / "history.jsonl")
+        return read_history(self.model_dir(model))
 
     async def aclose(self) -> None:
         """Stop the gateways, the actors and, when this backend started it, the local Ray cluster."""
