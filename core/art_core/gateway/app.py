@@ -16,7 +16,6 @@ Routes:
 
 from __future__ import annotations
 
-import secrets
 from typing import Any
 
 from fastapi import Depends, FastAPI
@@ -24,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..engines.base import Engine
 from . import chat, responses, served
+from .auth import BearerAuth
 from .control import GatewayControl
 from .errors import error_response, install_error_handlers
 from .metrics import GatewayMetrics
@@ -91,7 +91,7 @@ def create_app(
     # Added innermost first: Starlette wraps each new middleware around the ones before it.
     app.add_middleware(_BodyLimit, max_bytes=settings.max_request_bytes)
     if settings.api_key is not None:
-        app.add_middleware(_BearerAuth, api_key=settings.api_key)
+        app.add_middleware(BearerAuth, token=settings.api_key, reject=_reject_api_key)
     app.add_middleware(_CountRequests, metrics=state.metrics)
     return app
 
@@ -115,23 +115,11 @@ class _CountRequests:
         await self.app(scope, receive, counting_send)
 
 
-class _BearerAuth:
-    """Every route requires ``Authorization: Bearer <api_key>`` (compared in constant time)."""
-
-    def __init__(self, app: ASGIApp, *, api_key: str) -> None:
-        self.app, self.key = app, api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.key):
-            return await self.app(scope, receive, send)
-        message = ("no API key given: send 'Authorization: Bearer <key>' with the gateway's api_key" if not header
-                   else "the API key is not valid for this gateway")
-        response = error_response(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
+async def _reject_api_key(scope: Scope, receive: Receive, send: Send, key_given: bool) -> None:
+    message = ("the API key is not valid for this gateway" if key_given
+               else "no API key given: send 'Authorization: Bearer <key>' with the gateway's api_key")
+    response = error_response(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    await response(scope, receive, send)
 
 
 class _BodyLimit:

@@ -1,6 +1,6 @@
 """The server's ASGI app: the training API over a ``LocalBackend``, and every model's gateway, on one port.
 
-    BearerToken (every route)  ->  TrainingBody (API bodies: limit, gzip)  ->  /art/v1/...   the training API
+    bearer_token (every route)  ->  TrainingBody (API bodies: limit, gzip)  ->  /art/v1/...   the training API
                                                                            ->  /gateway/...  each model's gateway
 
 Routes and events are listed in ``wire.py``. Errors answer ``{"error": {"type", "message", "param"}}`` with
@@ -33,7 +33,7 @@ from ..errors import (
     LifecycleError,
     TrajectoryError,
 )
-from .guard import BearerToken, TrainingBody, send_error
+from .guard import TrainingBody, bearer_token, send_error
 from .jobs import TrainJobs
 from .wire import (
     API_PREFIX,
@@ -161,7 +161,7 @@ def create_server_app(backend: LocalBackend, *, token: str | None, max_body_byte
     ]
     api = Starlette(routes=routes, exception_handlers={ArtError: _art_error, Exception: _server_error})
     inner: ASGIApp = TrainingBody(_Dispatch(api, backend, served), max_bytes=max_body_bytes)
-    return ServerApp(BearerToken(inner, token=token) if token is not None else inner, jobs)
+    return ServerApp(bearer_token(inner, token=token) if token is not None else inner, jobs)
 
 
 class ServerApp:

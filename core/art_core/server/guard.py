@@ -8,16 +8,16 @@ have the same ``message``), which ``RemoteBackend`` turns back into ``art_core.e
 
 from __future__ import annotations
 
-import hmac
 import json
 import zlib
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..gateway.auth import BearerAuth, header_value
 from .wire import API_PREFIX
 
-__all__ = ["BearerToken", "TrainingBody", "send_error"]
+__all__ = ["TrainingBody", "bearer_token", "send_error"]
 
 
 async def send_error(send: Send, status: int, type_: str, message: str, *, param: str | None = None,
@@ -30,26 +30,17 @@ async def send_error(send: Send, status: int, type_: str, message: str, *, param
     await send({"type": "http.response.body", "body": body})
 
 
-class BearerToken:
-    """Every HTTP request must carry ``Authorization: Bearer <token>``, compared in constant time."""
+def bearer_token(app: ASGIApp, *, token: str) -> BearerAuth:
+    """Every HTTP request must carry ``Authorization: Bearer <token>``; a refusal is a training-API 401."""
+    return BearerAuth(app, token=token, reject=_reject_token)
 
-    def __init__(self, app: ASGIApp, *, token: str) -> None:
-        self.app, self.token = app, token.encode()
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        header = _header(scope, b"authorization")
-        scheme, _, given = (header or b"").partition(b" ")
-        # compare_digest always, even on a wrong scheme, so timing tells nothing about the token.
-        ok = hmac.compare_digest(given.strip(), self.token)
-        if ok and scheme.lower() == b"bearer":
-            return await self.app(scope, receive, send)
-        message = ("no token given: send 'Authorization: Bearer <token>' (RemoteBackend(url, token=...) or "
-                   "ART_SERVER_TOKEN)" if header is None else
-                   "the token is not valid for this server: use the one `art-core serve --token` was started with")
-        await _drain(receive)
-        await send_error(send, 401, "AuthenticationError", message, headers={"WWW-Authenticate": "Bearer"})
+async def _reject_token(scope: Scope, receive: Receive, send: Send, token_given: bool) -> None:
+    message = ("the token is not valid for this server: use the one `art-core serve --token` was started with"
+               if token_given else "no token given: send 'Authorization: Bearer <token>' (RemoteBackend(url, "
+               "token=...) or ART_SERVER_TOKEN)")
+    await _drain(receive)
+    await send_error(send, 401, "AuthenticationError", message, headers={"WWW-Authenticate": "Bearer"})
 
 
 class TrainingBody:
@@ -62,7 +53,7 @@ class TrainingBody:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith(API_PREFIX) or scope["method"] == "GET":
             return await self.app(scope, receive, send)
-        declared = _header(scope, b"content-length")
+        declared = header_value(scope, b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
             await _drain(receive)
             return await self._too_large(send, declared.decode("latin-1")[:40])
@@ -79,7 +70,7 @@ class TrainingBody:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        encoding = (_header(scope, b"content-encoding") or b"identity").strip().lower()
+        encoding = (header_value(scope, b"content-encoding") or b"identity").strip().lower()
         if encoding == b"gzip":
             inflater = zlib.decompressobj(wbits=31)
             try:
@@ -108,14 +99,6 @@ class TrainingBody:
         await send_error(send, 413, "ConfigError",
                          f"the request body is {size} bytes, above this server's limit of {self.max_bytes}: send "
                          "fewer groups per train call, or start the server with a larger --max-body-mb")
-
-
-def _header(scope: Scope, name: bytes) -> bytes | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            value_: bytes = value
-            return value_
-    return None
 
 
 async def _drain(receive: Receive, limit: int = 64 * 1024 * 1024) -> Any:
