@@ -163,3 +163,45 @@ async def test_a_non_streaming_call_whose_task_is_cancelled_is_recorded_cancelle
     (record,) = gateway.records.for_rollout("live-cancel")
     assert record.finish_reason == "cancelled" and 3 <= len(record.completion_token_ids) < 400
     await assert_greedy_prefix(gateway, record)
+
+
+async def test_a_client_that_stops_reading_does_not_hold_a_training_pause(gateway: Gateway):
+    """The app is called over ASGI with a ``send`` that blocks after the first chunk, as a server's does when
+    the client stops reading and the socket buffers are full (too large to fill reliably over loopback)."""
+    body = json.dumps({"model": "agent", "messages": LONG, "max_tokens": 24, "temperature": 0,
+                       "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/rollouts/slow-reader/v1/chat/completions", "raw_path": b"", "root_path": "",
+             "query_string": b"", "headers": [(b"content-type", b"application/json"),
+                                              (b"content-length", str(len(body)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", gateway.port)}
+    first_chunk, reader_back, sent = asyncio.Event(), asyncio.Event(), []
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # the client never leaves
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            sent.append(message["body"])
+            if not first_chunk.is_set():
+                first_chunk.set()
+                await reader_back.wait()  # the client stops reading here
+
+    request = asyncio.create_task(gateway.app(scope, receive, send))
+    await asyncio.wait_for(first_chunk.wait(), 60)
+    # The engine finishes the 24 tokens on its own; the pause must not wait for the reader.
+    await asyncio.wait_for(gateway.pause_for_training(), 30)
+    assert gateway.control.in_flight == 0
+    await gateway.resume_after_training(gateway.engine.adapter_step)
+    reader_back.set()
+    await asyncio.wait_for(request, 30)
+    (record,) = gateway.records.for_rollout("slow-reader")
+    assert record.finish_reason == "length" and len(record.completion_token_ids) == 24
+    assert b"[DONE]" in sent[-1] or any(b"[DONE]" in chunk for chunk in sent)
+    await assert_greedy_prefix(gateway, record)

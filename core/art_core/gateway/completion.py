@@ -16,6 +16,7 @@ rows stop at the next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -221,24 +222,21 @@ class Completion:
         choices = [_Choice(i, TextStream(state.detokenizer, params.stop) if live else None,
                            ToolCallStream(tool_names=self.tool_names) if live and self.tool_names is not None else None)
                    for i in range(params.n)]
-        waited = 0.0
-        self._engine_called = 0.0
+        pump = _EnginePump(state, _engine_errors(stream_tokens(state.engine, self.prompt_ids, params), params))
         cancelled = False
-        tokens = _engine_errors(stream_tokens(state.engine, self.prompt_ids, params), params)
         try:
-            async with state.control.admitted() as waited:
-                self._engine_called = time.perf_counter()
-                async for delta in tokens:
-                    choice = _take(choices, delta, params.n)
-                    if live:
-                        for event in self._live_events(choice, delta):
-                            yield event
+            async for delta, arrived in pump:
+                choice = _take(choices, delta, params.n, arrived)
+                if live:
+                    for event in self._live_events(choice, delta):
+                        yield event
+            self._engine_called = pump.engine_called
             unfinished = [c.index for c in choices if c.finish is None]
             if unfinished:
                 raise _contract_broken(f"ended without finishing completion(s) {unfinished}")
             # The held-back text and calls first (a call's id is given when it is streamed), then the records.
             tails = [self._tail(c) if live else [] for c in choices]
-            answers = [self._record(c, waited) for c in choices]
+            answers = [self._record(c, pump.waited) for c in choices]
             for choice, answer, tail in zip(choices, answers, tails, strict=True):
                 for event in tail:
                     yield event
@@ -249,9 +247,13 @@ class Completion:
             cancelled = any(c.finish is None for c in choices)
             raise
         finally:
-            await tokens.aclose()  # stops the engine's rows when the iteration ended early
+            await pump.stop()  # stops the engine's rows when the iteration ended early
             if cancelled:
-                self._record_cancelled(choices, waited)
+                self._engine_called = pump.engine_called
+                for delta, arrived in pump.left_over():  # sampled but not yet read: the record keeps them
+                    with contextlib.suppress(APIError):  # a broken delta is logged by _take and left out
+                        _take(choices, delta, params.n, arrived)
+                self._record_cancelled(choices, pump.waited)
 
     # --- per token ---
 
@@ -431,10 +433,68 @@ def logprob_entries(token_ids: list[int], logprobs: list[float], top: list[dict[
     return entries
 
 
+class _EnginePump:
+    """Reads the engine's tokens in a task of its own, so the request leaves the engine (and stops counting
+    in flight) when generation ends, not when a slow client has read the last chunk: a slow reader cannot hold
+    a training pause. Iterate it for ``(delta, arrival time)``; engine errors are raised there.
+    """
+
+    _END = object()
+
+    def __init__(self, state: GatewayState, tokens: AsyncIterator[TokenDelta]) -> None:
+        self.waited = 0.0
+        """Seconds the request was held by a training pause."""
+        self.engine_called = 0.0
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._tokens = tokens
+        self._task = asyncio.create_task(self._run(state))
+
+    async def _run(self, state: GatewayState) -> None:
+        try:
+            async with state.control.admitted() as self.waited:
+                self.engine_called = time.perf_counter()
+                async for delta in self._tokens:
+                    self._queue.put_nowait((delta, time.perf_counter()))
+            self._queue.put_nowait(self._END)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # handed to the reader, which raises it in the request's task
+            self._queue.put_nowait(exc)
+        finally:
+            await self._tokens.aclose()  # type: ignore[attr-defined]
+
+    def __aiter__(self) -> _EnginePump:
+        return self
+
+    async def __anext__(self) -> tuple[TokenDelta, float]:
+        item = await self._queue.get()
+        if item is self._END:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        delta_at: tuple[TokenDelta, float] = item
+        return delta_at
+
+    async def stop(self) -> None:
+        """Cancel the engine's side if it is still running, and wait until its rows are released."""
+        if not self._task.done():
+            self._task.cancel()
+        await asyncio.wait([self._task])
+
+    def left_over(self) -> list[tuple[TokenDelta, float]]:
+        """The tokens sampled but not yet read (after ``stop``)."""
+        items = []
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, tuple):
+                items.append(item)
+        return items
+
+
 # --- helpers ------------------------------------------------------------------------------------------
 
 
-def _take(choices: list[_Choice], delta: TokenDelta, n: int) -> _Choice:
+def _take(choices: list[_Choice], delta: TokenDelta, n: int, arrived: float) -> _Choice:
     """Add ``delta`` to its choice; the engine keeps its contract, or the request fails loudly."""
     if not 0 <= delta.choice < n:
         raise _contract_broken(f"sent tokens for completion {delta.choice} of n={n}")
@@ -449,7 +509,7 @@ def _take(choices: list[_Choice], delta: TokenDelta, n: int) -> _Choice:
         choice.top += delta.top_logprobs
     choice.adapter_step = delta.adapter_step
     choice.finish = delta.finish_reason
-    choice.last_token_at = time.perf_counter()
+    choice.last_token_at = arrived
     choice.first_token_at = choice.first_token_at or choice.last_token_at
     return choice
 
