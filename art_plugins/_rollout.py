@@ -102,14 +102,20 @@ class RolloutScope:
                         tb: TracebackType | None) -> None:
         self.__exit__(exc_type, exc, tb)
 
-    async def settle(self, timeout: float = 10.0) -> None:
+    async def settle(self, timeout: float = 10.0, *, grace: float = 1.0) -> None:
         """Wait (up to ``timeout`` s) until the gateway has recorded every call it was sent.
 
         A call cut short (the rollout's timeout, a cancelled task) is recorded by the gateway once it notices
         the client has gone, a moment after the cut: call this before ``trajectory()`` when the run was stopped.
+        A call cut before its request was out (waiting for a connection) never reaches the gateway; one whose
+        delivery could not be seen is waited for ``grace`` seconds only.
         """
-        deadline = time.monotonic() + timeout
-        while len(self._recorded_requests()) < self.route.calls_to_record and time.monotonic() < deadline:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            recorded = len(self._recorded_requests())
+            if recorded >= self.route.calls_to_record and (
+                    recorded >= self.route.calls_maybe_recorded or time.monotonic() - start >= grace):
+                return
             await asyncio.sleep(0.01)
 
     def trajectory(self, *, final_state: Any = None, stop_reason: str | None = None,

@@ -15,10 +15,11 @@ scope the classes are exactly as the libraries shipped them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import json
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,15 +58,43 @@ class Route:
     """Every model named in a JSON POST made in the scope (any provider), with its number of calls."""
     routed_calls: int = 0
     """Calls sent to the gateway for the trainable model (redirected, or sent by the adapter's own client)."""
+    delivered_calls: int = 0
+    """Of those, calls whose whole request was handed to the connection: only these can reach the gateway (a call
+    cut while it waited for a connection never does, and no record of it will come)."""
     refused_calls: int = 0
-    """Of those, calls the gateway answered with an error status (it records none of them)."""
+    """Of the delivered, calls the gateway answered with an error status (it records none of them)."""
     failed_calls: int = 0
-    """Of those, calls that failed before any answer (connection errors): the gateway may never have seen them."""
+    """Of the delivered, calls that failed before any answer (connection errors): the gateway may not record them."""
 
     @property
     def calls_to_record(self) -> int:
-        """Calls the gateway should record: sent, and neither refused nor failed (finished or cut off)."""
+        """Calls the gateway should record: delivered, and neither refused nor failed (finished or cut off)."""
+        return self.delivered_calls - self.refused_calls - self.failed_calls
+
+    @property
+    def calls_maybe_recorded(self) -> int:
+        """Calls the gateway may record: ``calls_to_record`` plus those that may have reached it unseen (a
+        transport that sends ``request.content`` without reading the body stream never marks delivery)."""
         return self.routed_calls - self.refused_calls - self.failed_calls
+
+    def call_started(self, request: Any) -> Any:
+        """Count ``request`` (an httpx request about to be sent) as routed, and as delivered once its body is out.
+        Returns the handle for ``call_failed``."""
+        self.routed_calls += 1
+        request.stream = delivery = _delivery(request.stream, self, request)
+        return delivery
+
+    def call_failed(self, delivery: Any) -> None:
+        """The call raised before any answer (a cancelled call is not a failure: the gateway records it as cut)."""
+        if delivery.delivered:
+            self.failed_calls += 1
+
+    def call_answered(self, delivery: Any, response: Any) -> None:
+        """Note the status the gateway answered a routed call with, and hand the response to ``on_response``."""
+        delivery.mark()  # an answer means it arrived, whether or not the transport read the stream
+        self.count_answer(response.status_code)
+        if self.on_response is not None:
+            self.on_response(response)
 
     def caller_label(self) -> str | None:
         """The ``X-Art-Caller`` value for the call being made now (the part of the agent making it), if any."""
@@ -94,7 +123,6 @@ class Route:
         endpoint = next((e for e in _ENDPOINTS if path.endswith(e)), None)
         if endpoint is None or model not in self.model_names:
             return request
-        self.routed_calls += 1
         content = request.content
         if model != self.served_name:
             body["model"] = self.served_name
@@ -107,6 +135,39 @@ class Route:
             headers.append((CALLER_HEADER, label))
         return type(request)(request.method, self.base_url + endpoint, headers=headers, content=content,
                              extensions=request.extensions)
+
+
+def _delivery(stream: Any, route: Route, request: Any) -> Any:
+    """``stream`` (a request's body) wrapped so that its call counts on ``route`` as delivered once the transport
+    has read all of it. The wrapper derives from the request's library's own stream classes (httpx, httpx2),
+    since clients check ``isinstance(request.stream, ...)`` before sending."""
+    return _delivery_class(type(request).__module__.partition(".")[0])(stream, route)
+
+
+@functools.cache
+def _delivery_class(library: str) -> type:
+    module = importlib.import_module(library)
+
+    class Delivery(module.SyncByteStream, module.AsyncByteStream):  # type: ignore[name-defined,misc]
+        def __init__(self, stream: Any, route: Route) -> None:
+            self._stream, self._route = stream, route
+            self.delivered = False
+
+        def __iter__(self) -> Iterator[bytes]:
+            yield from self._stream
+            self.mark()
+
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            async for chunk in self._stream:
+                yield chunk
+            self.mark()
+
+        def mark(self) -> None:
+            if not self.delivered:
+                self.delivered = True
+                self._route.delivered_calls += 1
+
+    return Delivery
 
 
 _current: ContextVar[Route | None] = ContextVar("art_plugins_route", default=None)
@@ -172,14 +233,13 @@ def _wrap(original: Callable[..., Any], is_async: bool) -> Callable[..., Any]:
             if sent is request:
                 return await original(self, request, **kwargs)
             assert route is not None
+            delivery = route.call_started(sent)
             try:
                 response = await original(self, sent, **kwargs)
             except Exception:
-                route.failed_calls += 1
+                route.call_failed(delivery)
                 raise
-            route.count_answer(response.status_code)
-            if route.on_response is not None:
-                route.on_response(response)
+            route.call_answered(delivery, response)
             return response
         return send_async
 
@@ -189,14 +249,13 @@ def _wrap(original: Callable[..., Any], is_async: bool) -> Callable[..., Any]:
         if sent is request:
             return original(self, request, **kwargs)
         assert route is not None
+        delivery = route.call_started(sent)
         try:
             response = original(self, sent, **kwargs)
         except Exception:
-            route.failed_calls += 1
+            route.call_failed(delivery)
             raise
-        route.count_answer(response.status_code)
-        if route.on_response is not None:
-            route.on_response(response)
+        route.call_answered(delivery, response)
         return response
     return send
 
@@ -218,15 +277,13 @@ class CountingTransport:
         label = self._route.caller_label()
         if label:
             request.headers[CALLER_HEADER] = label
-        self._route.routed_calls += 1
+        delivery = self._route.call_started(request)
         try:
             response = await self._inner.handle_async_request(request)
         except Exception:
-            self._route.failed_calls += 1
+            self._route.call_failed(delivery)
             raise
-        self._route.count_answer(response.status_code)
-        if self._route.on_response is not None:
-            self._route.on_response(response)
+        self._route.call_answered(delivery, response)
         return response
 
     async def aclose(self) -> None:

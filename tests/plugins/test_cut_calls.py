@@ -136,3 +136,31 @@ async def test_a_rollout_cut_before_its_first_token_says_why_there_is_nothing_to
         await trainable(graph, model, timeout=0.5).rollout({"messages": [("user", "What is 2 + 2?")]})
     assert not training.done(), "the training step ended before the cut: make it longer"
     await training
+
+
+async def test_a_call_cut_before_it_reached_the_gateway_is_not_waited_for(model: TrainableModel):
+    """Two calls at once over a one-connection client: the second waits for the connection when the timeout
+    cuts both, so it never reaches the gateway. The rollout must not wait for a record of it (it used to wait
+    the whole 10-second settle bound)."""
+    import httpx2
+    from langgraph.graph import END, START, MessagesState, StateGraph
+
+    client = httpx2.AsyncClient(limits=httpx2.Limits(max_connections=1))
+    llm = ChatOpenAI(model=NAME, base_url="http://127.0.0.1:9/v1", api_key="unused", temperature=0.0,
+                     http_async_client=client)
+
+    async def both(state: MessagesState) -> dict[str, Any]:
+        first, second = await asyncio.gather(llm.ainvoke("What is 2 + 2?"), llm.ainvoke("What is 3 + 3?"))
+        return {"messages": [first, second]}
+
+    graph = StateGraph(MessagesState).add_node("both", both).add_edge(START, "both").add_edge("both", END).compile()
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    try:
+        trajectory = await trainable(graph, model, timeout=TIMEOUT).rollout({"messages": [("user", "go")]})
+    finally:
+        await client.aclose()
+    elapsed = loop.time() - start
+    assert trajectory.metadata["stop_reason"] == "timeout" and trajectory.metadata["cancelled_calls"] == 1
+    assert len(trajectory.calls) == 1  # the call that was sent, cut; the other never left the client
+    assert elapsed < TIMEOUT + 8.0, f"the rollout waited {elapsed:.1f} s for a call the gateway never saw"
