@@ -55,6 +55,59 @@ async def chat(model: Any, task: dict[str, Any]) -> Any:
     return model.rollout_trajectory(rid, reward=random.random())
 
 
+def tree_cpu(root: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) so far of ``root`` and every process below it, by pid, with its role.
+
+    Read from /proc (Linux). A local Ray cluster's raylet and GCS are children of the driver and its
+    workers children of the raylet, so the tree is this run's cluster and nothing of anyone else's.
+    """
+    tick = os.sysconf("SC_CLK_TCK")
+    procs: dict[int, tuple[int, float, str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                title = f.read().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue  # ended meanwhile
+        fields = stat[stat.rindex(")") + 2:].split()
+        procs[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick, title)
+    out: dict[int, tuple[str, float]] = {}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        if pid in procs:
+            _, cpu, title = procs[pid]
+            out[pid] = (_role(pid, root, title), cpu)
+            todo += [child for child, (ppid, _, _) in procs.items() if ppid == pid]
+    return out
+
+
+def _role(pid: int, root: int, title: str) -> str:
+    if pid == root:
+        return "driver"  # the gateway, the router, the rollout pool: this process
+    for name, role in (("EngineReplica", "replica"), ("TrainerRank", "rank"), ("RolloutWorker", "rollout_worker")):
+        if f"ray::{name}" in title:
+            return role
+    return "ray_system"  # raylet, GCS, idle workers
+
+
+def cpu_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, Any]:
+    """CPU seconds each role used between two ``tree_cpu`` snapshots (replicas and ranks also one by one)."""
+    roles: dict[str, float] = {}
+    each: dict[str, list[float]] = {"replica": [], "rank": []}
+    for pid, (role, cpu) in after.items():
+        used = cpu - before.get(pid, (role, 0.0))[1]
+        roles[role] = roles.get(role, 0.0) + used
+        if role in each:
+            each[role].append(round(used, 2))
+    return {**{k: round(v, 2) for k, v in sorted(roles.items())},
+            **{f"{k}_each": sorted(v, reverse=True) for k, v in each.items() if v}}
+
+
 async def run_config(path: Path, replicas: int, ranks: int, args: argparse.Namespace,
                      groups: list[Any] | None) -> tuple[float, float, list[Any]]:
     from art_core import RayBackend, TrainableModel, TrainConfig
@@ -75,12 +128,16 @@ async def run_config(path: Path, replicas: int, ranks: int, args: argparse.Names
         tasks = [{"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": args.max_tokens, "words": args.prompt_words}
                  for i in range(args.rollouts)]
         await backend.gather(model.spec, ROLLOUT, tasks[:8], n=1)  # warm-up: workers, replicas, caches
-        t0 = time.perf_counter()
+        routed = list(backend.router(model.spec).routed)
+        cpu0, t0 = tree_cpu(os.getpid()), time.perf_counter()
         await backend.gather(model.spec, ROLLOUT, tasks, n=1)
         rollout_s = time.perf_counter() - t0
+        rollout_cpu = cpu_by_role(cpu0, tree_cpu(os.getpid()))
         stats = backend.rollout_stats(model.spec, ROLLOUT)
+        routed = [b - a for a, b in zip(routed, backend.router(model.spec).routed)]
         print(f"  rollouts: {args.rollouts} in {rollout_s:.2f} s ({args.rollouts / rollout_s:.2f}/s), "
-              f"routed {backend.router(model.spec).routed}, failed {stats.failed_exception}", flush=True)
+              f"routed {routed}, failed {stats.failed_exception}; CPU s by role {rollout_cpu}; load "
+              f"{os.getloadavg()[0]:.2f}", flush=True)
         if groups is None:
             short = [{**task, "words": args.train_words, "max_tokens": 32} for task in tasks[:args.groups]]
             groups = await backend.gather(model.spec, ROLLOUT, short, n=4)
@@ -88,14 +145,18 @@ async def run_config(path: Path, replicas: int, ranks: int, args: argparse.Names
         config = TrainConfig(learning_rate=1e-5)
         await trainer.train(groups[:2], config)  # warm-up step
         times = []
+        cpu0 = tree_cpu(os.getpid())
         for _ in range(args.steps):
             t0 = time.perf_counter()
-            await trainer.train(groups, config)
+            result = await trainer.train(groups, config)
             times.append(time.perf_counter() - t0)
+        train_cpu = cpu_by_role(cpu0, tree_cpu(os.getpid()))
         train_s = min(times)
-        print(f"  train step on {len(groups)} groups: {train_s:.2f} s (runs {[round(t, 2) for t in times]})",
-              flush=True)
-    return args.rollouts / rollout_s, train_s, groups
+        seconds = {k: round(v, 2) for k, v in result["metrics"].items() if k.startswith("seconds_")}
+        print(f"  train step on {len(groups)} groups: {train_s:.2f} s (runs {[round(t, 2) for t in times]}; "
+              f"slowest rank's {seconds}); CPU s by role over {args.steps} steps {train_cpu}; load "
+              f"{os.getloadavg()[0]:.2f}", flush=True)
+    return args.rollouts / rollout_s, train_s, groups, {"rollout_cpu_s": rollout_cpu, "train_cpu_s": train_cpu}
 
 
 async def main() -> None:
@@ -110,14 +171,16 @@ async def main() -> None:
     warnings.filterwarnings("ignore")
 
     with tempfile.TemporaryDirectory(prefix="art-ray-bench-") as tmp:
-        one_rate, one_train, groups = await run_config(Path(tmp), 1, 1, args, None)
-        two_rate, two_train, _ = await run_config(Path(tmp), 2, 2, args, groups)
+        load_start = os.getloadavg()[0]
+        one_rate, one_train, groups, one_cpu = await run_config(Path(tmp), 1, 1, args, None)
+        two_rate, two_train, _, two_cpu = await run_config(Path(tmp), 2, 2, args, groups)
     result = {"rollout_scaling_2x": round(two_rate / one_rate, 3), "train_scaling_2x": round(one_train / two_train, 3),
               "rollouts_per_s_1": round(one_rate, 3), "rollouts_per_s_2": round(two_rate, 3),
               "train_step_s_1": round(one_train, 3), "train_step_s_2": round(two_train, 3),
               "cpu_count": os.cpu_count(), "rollouts": args.rollouts, "prompt_words": args.prompt_words,
               "max_tokens": args.max_tokens,
-              "groups": args.groups}
+              "groups": args.groups, "load_avg_start": round(load_start, 2),
+              "load_avg_end": round(os.getloadavg()[0], 2), "cpu_s_1": one_cpu, "cpu_s_2": two_cpu}
     print(json.dumps(result))
 
 

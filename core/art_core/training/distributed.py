@@ -24,7 +24,7 @@ import torch
 
 from ..types import TrajectoryGroup
 
-__all__ = ["StepSync", "TorchDistributedSync", "group_tokens", "split_groups_by_tokens"]
+__all__ = ["ShardedSync", "StepSync", "TorchDistributedSync", "group_tokens", "shard_policy", "split_groups_by_tokens"]
 
 
 @runtime_checkable
@@ -97,3 +97,88 @@ def split_groups_by_tokens(groups: Sequence[TrajectoryGroup], ranks: int) -> lis
         shares[r].append(i)
         load[r] += max(group_tokens(groups[i]), 1)
     return [sorted(s) for s in shares]
+
+
+# --- FSDP2: the frozen base sharded over the ranks, the LoRA adapter whole on each ---------------------
+
+def shard_policy(model: torch.nn.Module) -> int:
+    """Shard a PEFT model's frozen base weights over the default process group with FSDP2 (``fully_shard``).
+
+    Each decoder layer is one FSDP unit, and the model (embeddings, final norm, head) is the root unit: a
+    rank holds ``1/world_size`` of the base and all-gathers one layer at a time in the forward and backward
+    passes. The trainable LoRA parameters are left out of FSDP (``ignored_params``): they are small, stay
+    whole on every rank, and their gradients are summed by ``ShardedSync`` like ``TorchDistributedSync`` does,
+    so the adapter, its checkpoint and the optimizer are the same as in the replicated group.
+
+    Call it after ``init_process_group`` and before the first forward pass, on every rank.
+
+    Args:
+        model: a PEFT model (``load_policy``), loaded on the CPU.
+
+    Returns:
+        The number of decoder layers sharded as units of their own.
+
+    Raises:
+        ValueError: the model has no decoder layer FSDP can wrap (its ``_no_split_modules`` names none).
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # the transformers model
+    names = set(getattr(inner, "_no_split_modules", None) or [])
+    layers = [m for m in inner.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"cannot shard {type(inner).__name__}: no decoder layer class among {sorted(names)}")
+    lora = {p for p in model.parameters() if p.requires_grad}
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, ignored_params=lora & set(layer.parameters()))
+    fully_shard(inner, mesh=mesh, ignored_params=lora)
+    if device == "cuda":  # FSDP moves what it shards; the ignored LoRA parameters move here
+        for p in lora:
+            p.data = p.data.to(device)
+    return len(layers)
+
+
+class ShardedSync(TorchDistributedSync):
+    """``StepSync`` for a group sharded with ``shard_policy``: the ranks run the same number of passes.
+
+    Every forward and backward pass of an FSDP model all-gathers each layer's shards, a collective every
+    rank must join in the same order. A token-balanced split gives ranks different numbers of
+    micro-batches, so before its loop each rank tells ``planned`` how many it will run; the ranks agree on
+    the largest count, and in ``gradients`` the ranks with fewer run the difference as zero-loss passes on
+    one token (their gradient contribution is exactly zero) before the adapter's gradients are summed.
+    ``GRPOTrainer`` must run with ``share_prefix=False`` (a shared prefix's backward is a pass of its own,
+    at a point that differs between ranks).
+
+    Args:
+        model: the sharded PEFT model.
+        reference_pass: the step computes reference log-probs (``config.beta > 0``): each micro-batch is a
+            forward with gradients, a forward without, then a backward, and so is each padding pass.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, reference_pass: bool) -> None:
+        super().__init__()
+        self.model, self.reference_pass = model, reference_pass
+        self._mine = self._most = 0
+
+    def planned(self, micro_batches: int) -> None:
+        """This rank will run ``micro_batches``; agree on the most any rank runs (called before the loop)."""
+        t = torch.tensor([micro_batches], dtype=torch.int64, device=self._device())
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX)
+        self._mine, self._most = micro_batches, int(t.item())
+
+    def gradients(self, params: Sequence[torch.Tensor]) -> None:
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self._device())
+        for _ in range(self._most - self._mine):
+            out = self.model(input_ids=ids, use_cache=False)
+            if self.reference_pass:
+                with torch.no_grad(), self.model.disable_adapter():
+                    self.model(input_ids=ids, use_cache=False)
+            (out.logits.float().sum() * 0.0).backward()
+        super().gradients(params)
+
+    def _device(self) -> str:
+        return "cuda" if self._dist.get_backend() == "nccl" else "cpu"

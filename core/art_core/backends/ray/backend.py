@@ -90,6 +90,10 @@ class RayBackend:
         runtime_env: Ray's runtime environment for every actor (e.g. ``{"py_modules": [...]}`` to ship the
             module of your rollout function).
         max_rollout_attempts: tries per rollout when its worker is lost. Default: 3.
+        sharding: the trainer group's weights: ``"none"`` (every rank holds the whole model), ``"fsdp"``
+            (FSDP2 shards the frozen base over the ranks, one decoder layer per unit; the LoRA adapter stays
+            whole on each) or ``"auto"`` (FSDP2 when the base's weight files take more than half of one
+            GPU; never on CPU-only ranks). Default: ``"auto"``.
     """
 
     def __init__(self, *, address: str | None = None, path: str | Path = ".art", inference_replicas: int = 1,
@@ -99,7 +103,7 @@ class RayBackend:
                  gpus_per_rank: float | None = None, num_threads: int | None = None,
                  resources: dict[str, dict[str, float]] | None = None, gateway_host: str = "127.0.0.1",
                  api_key: str | None = None, runtime_env: dict[str, Any] | None = None,
-                 max_rollout_attempts: int = 3) -> None:
+                 max_rollout_attempts: int = 3, sharding: str = "auto") -> None:
         for name, value in (("inference_replicas", inference_replicas), ("trainer_workers", trainer_workers),
                             ("rollout_workers", rollout_workers), ("rollouts_per_worker", rollouts_per_worker)):
             if value < 1:
@@ -107,6 +111,8 @@ class RayBackend:
         if inference != "transformers":
             raise ConfigError(f"inference={inference!r} is not available on RayBackend: use 'transformers' "
                               "(vLLM replicas are not implemented yet)")
+        if sharding not in ("none", "fsdp", "auto"):
+            raise ConfigError(f"sharding={sharding!r} is not available: use 'none', 'fsdp' or 'auto'")
         unknown = set(resources or {}) - set(_ROLES)
         if unknown:
             raise ConfigError(f"resources has unknown role(s) {sorted(unknown)}: use {', '.join(_ROLES)}")
@@ -123,6 +129,7 @@ class RayBackend:
         self.gateway_host, self.api_key = gateway_host, api_key
         self.runtime_env = runtime_env
         self.max_rollout_attempts = max_rollout_attempts
+        self.sharding = sharding
         self._slots: dict[tuple[str, str], _Slot] = {}
         self._env_before: dict[str, str | None] | None = None
         self._started = False
@@ -165,7 +172,7 @@ class RayBackend:
             workers=self.trainer_workers, base_dir=model.base_model, lora=model.lora, checkpoint=checkpoint,
             num_threads=self.num_threads, cpus_per_rank=self.cpus_per_rank,
             gpus_per_rank=self.gpus_per_rank if self.gpus_per_rank is not None else gpus,
-            extra=self.resources.get("trainer", {}))
+            extra=self.resources.get("trainer", {}), sharding=self.sharding)
         adapter = await trainer.adapter()  # the replicas serve exactly the weights the trainer starts from
         replica_actor = ray.remote(EngineReplica)
         replicas = [replica_actor.options(
@@ -190,6 +197,14 @@ class RayBackend:
 
     def base_url(self, model: ModelSpec) -> str:
         return self._slot(model).gateway.base_url
+
+    def gateway(self, model: ModelSpec) -> Gateway:
+        """The model's running gateway (its ``app``, ``records``, URLs); ``art-core serve`` mounts its app.
+
+        Raises:
+            LifecycleError: the model is not registered, or this backend is closed.
+        """
+        return self._slot(model).gateway
 
     def api_key(self, model: ModelSpec) -> str | None:
         return self._slot(model).gateway.settings.api_key
