@@ -71,7 +71,8 @@ class RayBackend:
         address: the cluster: None starts a local one (stopped by ``aclose``), ``"auto"`` joins the one this
             node belongs to, ``"ray://host:10001"`` a remote one. Default: None.
         path: root folder of projects on the driver's disk (checkpoints, trajectories, records, history,
-            and the local cluster's temp and log files under ``<path>/ray``).
+            and the local cluster's temp and log files under ``<path>/ray``; when that path is too long for
+            Ray's Unix sockets, ``<path>/ray`` links to a short folder in the system's temp folder).
         inference_replicas: engine replicas behind the gateway. Default: 1.
         trainer_workers: ranks of the trainer group. Default: 1.
         rollout_workers: rollout worker actors for ``gather`` (started on first use). Default: 8.
@@ -366,8 +367,7 @@ class RayBackend:
             if ray.is_initialized():
                 pass  # the caller connected (e.g. to a test cluster): use it, and leave it connected
             elif self.address is None:
-                temp = (self.path / "ray").resolve()
-                temp.mkdir(parents=True, exist_ok=True)
+                temp = _ray_temp_dir(self.path / "ray")
                 # Ray enables token auth for a new local cluster (setting RAY_AUTH_MODE in this process) and
                 # would save the token in ~/.ray; keep it under the run's folder, and restore both on close.
                 self._env_before = {name: os.environ.get(name) for name in _AUTH_ENV}
@@ -396,6 +396,36 @@ class RayBackend:
     def _check_open(self) -> None:
         if self._closed:
             raise LifecycleError("this RayBackend is closed; create a new one")
+
+
+_SOCKET_PATH_ROOM = 107 - len("/session_2026-01-01_00-00-00_000000_4194304/sockets/plasma_store")
+"""Characters left for Ray's temp folder: its sockets live below it, and a Unix socket path has 107 at most."""
+
+
+def _ray_temp_dir(wanted: Path) -> Path:
+    """The local cluster's temp folder: ``wanted`` (``<path>/ray``), or, when that is too long a path for
+    Ray's Unix sockets, a short folder under the system's temp folder that ``wanted`` links to."""
+    import logging
+    import tempfile
+
+    wanted = wanted.absolute()
+    if len(str(wanted.resolve())) <= _SOCKET_PATH_ROOM:
+        wanted.mkdir(parents=True, exist_ok=True)
+        return wanted.resolve()
+    if wanted.is_symlink() and wanted.resolve().is_dir():
+        return wanted.resolve()  # a short folder linked by an earlier run
+    short = Path(tempfile.mkdtemp(prefix="art-ray-"))
+    if len(str(short)) > _SOCKET_PATH_ROOM:
+        raise ConfigError(f"Ray's sockets need a temp folder path of at most {_SOCKET_PATH_ROOM} characters; "
+                          f"{wanted} and {short} are longer: use a shorter path= or set TMPDIR to a short folder")
+    wanted.parent.mkdir(parents=True, exist_ok=True)
+    if wanted.exists():
+        raise ConfigError(f"{wanted} exists and its path is too long for Ray's sockets; remove it or use a "
+                          "shorter path=")
+    wanted.symlink_to(short, target_is_directory=True)
+    logging.getLogger(__name__).info("Ray's files are in %s (linked from %s: that path is too long for Ray's "
+                                     "sockets)", short, wanted)
+    return short
 
 
 def _write_files(folder: Path, files: dict[str, bytes]) -> None:
