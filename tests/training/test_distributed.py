@@ -169,7 +169,7 @@ def _fsdp_rank_main(rank: int, world: int, port: int, model_dir: str, adapter_di
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.05])
+@pytest.mark.parametrize("beta", [0.05])  # beta=0 runs in tests/backends/test_ray_backend.py (FSDP2 on Ray)
 def test_two_fsdp2_ranks_train_the_adapter_of_one_process(tiny_model_dir: Path, tmp_path: Path, beta: float) -> None:
     import socket
 

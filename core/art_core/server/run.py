@@ -68,9 +68,6 @@ class ServerSettings:
         elif backend == "ray":
             if trainer not in (None, TRAINER_CHOICES[0]):
                 problems.append(f"--trainer {trainer} is not available with --backend ray (its ranks train with peft)")
-            if inference not in (None, INFERENCE_CHOICES[0]):
-                problems.append(f"--inference {inference} is not available with --backend ray (its replicas run "
-                                "transformers; vLLM replicas are not implemented)")
             if inference_replicas < 1 or trainer_workers < 1:
                 problems.append("--replicas and --trainer-workers must be at least 1")
         token = token if token is not None else os.environ.get("ART_SERVER_TOKEN") or None
@@ -98,7 +95,7 @@ class ServerSettings:
         self.host, self.port, self.token, self.path = host, port, token, Path(path)
         self.max_body_bytes = max_body_mb * MiB
         self.num_threads = num_threads
-        self.backend, self.ray_address = backend, ray_address
+        self.backend, self.ray_address, self.inference = backend, ray_address, inference
         self.inference_replicas, self.trainer_workers = inference_replicas, trainer_workers
         # Passed on only when LocalBackend takes them (see _backend_options); otherwise the default is what runs.
         self.backend_options: dict[str, Any] = {k: v for k, v in (("inference", inference), ("trainer", trainer))
@@ -171,7 +168,7 @@ def _backend(settings: ServerSettings, url: str) -> Any:
 
         # The gateways also listen on their own loopback ports (the rollout workers' way in, on this node);
         # the server mounts the same apps, with the same token.
-        return RayBackend(address=settings.ray_address, path=settings.path,
+        return RayBackend(address=settings.ray_address, path=settings.path, inference=settings.inference or "transformers",
                           inference_replicas=settings.inference_replicas, trainer_workers=settings.trainer_workers,
                           num_threads=settings.num_threads, api_key=settings.token)
     from ..backends.local import LocalBackend

@@ -37,6 +37,7 @@ from ..base import ModelSpec, TrainResult
 from .._shared import append_history, read_history, render_chat, sampled_trajectories, trajectories_path
 
 if TYPE_CHECKING:
+    from .._engines import VLLMOptions
     from ...gateway import Gateway
     from ...gateway.records import ExchangeRecord
     from .replicas import ReplicaRouter
@@ -77,7 +78,10 @@ class RayBackend:
         trainer_workers: ranks of the trainer group. Default: 1.
         rollout_workers: rollout worker actors for ``gather`` (started on first use). Default: 8.
         rollouts_per_worker: rollouts each worker runs at once. Default: 4 (agents mostly wait on HTTP).
-        inference: the replicas' engine. Only ``"transformers"`` is implemented (vLLM replicas are not).
+        inference: the replicas' engine: ``"transformers"`` (in the replica's process) or ``"vllm"`` (each
+            replica actor runs a vLLM server on its node, started as ``LocalBackend(inference="vllm")`` starts
+            one; the vLLM venv, ``vllm.python`` or ``$ART_VLLM_VENV``, must exist on every replica node).
+        vllm: how vLLM replicas start (``VLLMOptions``: venv, dtype, extra ``vllm serve`` arguments).
         cpus_per_replica, cpus_per_rank: CPUs Ray reserves for each. Default: 1.
         cpus_per_rollout_worker: Default: 0.25 (an agent mostly waits for the gateway).
         gpus_per_replica, gpus_per_rank: GPUs for each. Default: 1 when the cluster has GPUs, else 0.
@@ -104,14 +108,16 @@ class RayBackend:
                  gpus_per_rank: float | None = None, num_threads: int | None = None,
                  resources: dict[str, dict[str, float]] | None = None, gateway_host: str = "127.0.0.1",
                  api_key: str | None = None, runtime_env: dict[str, Any] | None = None,
-                 max_rollout_attempts: int = 3, sharding: str = "auto") -> None:
+                 max_rollout_attempts: int = 3, sharding: str = "auto", vllm: VLLMOptions | None = None) -> None:
         for name, value in (("inference_replicas", inference_replicas), ("trainer_workers", trainer_workers),
                             ("rollout_workers", rollout_workers), ("rollouts_per_worker", rollouts_per_worker)):
             if value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}")
-        if inference != "transformers":
-            raise ConfigError(f"inference={inference!r} is not available on RayBackend: use 'transformers' "
-                              "(vLLM replicas are not implemented yet)")
+        if inference not in ("transformers", "vllm"):
+            raise ConfigError(f"inference={inference!r} is not available on RayBackend: use 'transformers' or 'vllm'")
+        if vllm is not None and inference != "vllm":
+            raise ConfigError("vllm= options need inference='vllm'")
+        vllm_options = _vllm_options(vllm) if inference == "vllm" else None
         if sharding not in ("none", "fsdp", "auto"):
             raise ConfigError(f"sharding={sharding!r} is not available: use 'none', 'fsdp' or 'auto'")
         unknown = set(resources or {}) - set(_ROLES)
@@ -131,6 +137,7 @@ class RayBackend:
         self.runtime_env = runtime_env
         self.max_rollout_attempts = max_rollout_attempts
         self.sharding = sharding
+        self.vllm = vllm_options
         self._slots: dict[tuple[str, str], _Slot] = {}
         self._env_before: dict[str, str | None] | None = None
         self._started = False
@@ -181,9 +188,10 @@ class RayBackend:
             num_gpus=self.gpus_per_replica if self.gpus_per_replica is not None else gpus,
             resources=self.resources.get("replica") or None, scheduling_strategy="SPREAD",
         ).remote(base_dir=model.base_model, adapter=adapter, lora=model.lora.model_dump(), step=step,
-                 engine=self.inference, num_threads=self.num_threads)
+                 engine=self.inference, num_threads=self.num_threads,
+                 vllm=self.vllm.model_dump(mode="json") if self.vllm else None)
             for _ in range(self.inference_replicas)]
-        await asyncio.gather(*(r.adapter_step.remote() for r in replicas))  # loaded (raises if one failed)
+        await asyncio.gather(*(r.start.remote() for r in replicas))  # loaded (raises if one failed)
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, base_dir)
         router = ReplicaRouter(replicas, tokenizer, step=step)
         settings = GatewaySettings(model_name=model.name, base_model_name=Path(model.base_model).name,
@@ -396,6 +404,15 @@ class RayBackend:
     def _check_open(self) -> None:
         if self._closed:
             raise LifecycleError("this RayBackend is closed; create a new one")
+
+
+def _vllm_options(options: VLLMOptions | None) -> VLLMOptions:
+    """The vLLM replicas' options, checked on this node (the driver's) so a missing venv fails here, early."""
+    from .._engines import VLLMOptions, inference_choice
+
+    options = options or VLLMOptions()
+    inference_choice("vllm").check(options)
+    return options
 
 
 _SOCKET_PATH_ROOM = 107 - len("/session_2026-01-01_00-00-00_000000_4194304/sockets/plasma_store")
