@@ -155,8 +155,8 @@ async def measure(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     async with backend:
         t0 = time.perf_counter()
         await model.register(backend)
-        solo = await TrainerGroup.start(workers=1, base_dir=model.spec.base_model, lora=model.spec.lora, checkpoint=None,
-                                        num_threads=1, gpus_per_rank=0, cpus_per_rank=0.25, sharding="none")
+        solo = await TrainerGroup.start(workers=1, base_dir=model.spec.base_model, lora=model.spec.lora,
+                                        checkpoint=None, num_threads=1, gpus_per_rank=0, cpus_per_rank=0.25, sharding="none")
         print(f"[2 replicas, a 2-rank and a 1-rank group] started in {time.perf_counter() - t0:.1f} s", flush=True)
         router = backend.router(model.spec)
         tasks = [{"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": args.max_tokens, "words": args.prompt_words}

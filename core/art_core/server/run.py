@@ -168,7 +168,8 @@ def _backend(settings: ServerSettings, url: str) -> Any:
 
         # The gateways also listen on their own loopback ports (the rollout workers' way in, on this node);
         # the server mounts the same apps, with the same token.
-        return RayBackend(address=settings.ray_address, path=settings.path, inference=settings.inference or "transformers",
+        return RayBackend(address=settings.ray_address, path=settings.path,
+                          inference=settings.inference or "transformers",
                           inference_replicas=settings.inference_replicas, trainer_workers=settings.trainer_workers,
                           num_threads=settings.num_threads, api_key=settings.token)
     from ..backends.local import LocalBackend

@@ -108,7 +108,8 @@ class EngineReplica:
         base = resolve_base_model(self._base_dir)
         device = "cuda:0" if torch.cuda.is_available() else "cpu"  # Ray set CUDA_VISIBLE_DEVICES to this actor's GPU
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, base)
-        spec = ModelSpec(name="replica", project="ray", base_model=str(base), lora=LoraSettings.model_validate(self._lora))
+        spec = ModelSpec(name="replica", project="ray", base_model=str(base),
+                         lora=LoraSettings.model_validate(self._lora))
         # The replica has no trainer beside it: vLLM has its device alone and never sleeps.
         ctx = EngineContext(spec=spec, base_dir=base, policy=None, tokenizer=tokenizer, step=self._step,
                             adapter_dir=self._adapter_dir, trainer_device="none", inference_device=device,
