@@ -27,8 +27,8 @@ from ...types import TrajectoryGroup
 
 __all__ = ["TrainerGroup", "TrainerRank", "merge_rank_metrics"]
 
-# Metrics each rank reports as its part of a whole-step value (trainer.py divides by the step's totals).
 _SHARDINGS = ("none", "fsdp", "auto")
+# Metrics each rank reports as its part of a whole-step value (trainer.py divides by the step's totals).
 _SUMMED = ("loss", "entropy", "ratio_mean", "clip_fraction", "kl", "is_weight_mean", "is_truncated_fraction",
            "forward_tokens", "micro_batches", "samples_rerendered")
 
