@@ -28,6 +28,29 @@ def test_split_balances_tokens_and_keeps_groups_whole() -> None:
     assert split_groups_by_tokens(groups, 1) == [[0, 1, 2, 3]]
 
 
+def _shared_prompt_group(prompt: int, *answers: int) -> TrajectoryGroup:
+    """One trajectory per answer length, each a call on the same ``prompt``-token prompt."""
+    return TrajectoryGroup([Trajectory(messages=[], calls=[CallRecord(prompt_token_ids=list(range(prompt)),
+                                                                      completion_token_ids=[1] * n)])
+                            for n in answers])
+
+
+def test_a_shared_prompt_counts_once_when_the_trainer_shares_it() -> None:
+    group = _shared_prompt_group(100, 10, 20, 30)
+    assert group_tokens(group) == 3 * 100 + 60
+    assert group_tokens(group, share_prefix=True) == 100 + 60
+    assert group_tokens(_shared_prompt_group(8, 1, 1), share_prefix=True) == 18, "under 16 shared: not shared"
+
+
+def test_split_with_shared_prompts_balances_the_work_the_ranks_do() -> None:
+    # Long prompt, short answers (group 0) vs short prompt, long answers (groups 1, 2): counting each
+    # prompt once per rollout would put group 0 alone against both others.
+    groups = [_shared_prompt_group(400, 4, 4, 4, 4), _shared_prompt_group(100, 150, 150, 150, 150),
+              _shared_prompt_group(100, 150, 150, 150, 150)]
+    assert split_groups_by_tokens(groups, 2) == [[0], [1, 2]]
+    assert split_groups_by_tokens(groups, 2, share_prefix=True) == [[0, 1], [2]]  # 416 + 700 vs 700
+
+
 def test_split_with_more_ranks_than_groups_leaves_ranks_empty() -> None:
     assert split_groups_by_tokens([_group(5)], 3) == [[0], [], []]
 

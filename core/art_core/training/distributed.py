@@ -75,27 +75,50 @@ class TorchDistributedSync:
             offset += n
 
 
-def group_tokens(group: TrajectoryGroup) -> int:
-    """The tokens a group puts through the model: prompt and completion of every recorded call."""
-    return sum(len(c.prompt_token_ids) + len(c.completion_token_ids) for t in group.trajectories for c in t.calls)
+def group_tokens(group: TrajectoryGroup, *, share_prefix: bool = False, min_shared_prefix: int = 16) -> int:
+    """The tokens a group puts through the model: prompt and completion of every recorded call.
+
+    With ``share_prefix`` (the trainer's default, ``TrainConfig.share_prefix``), the prompt the group's calls
+    share is run once (``training/batching.py``), so it counts once: a group of 8 rollouts of one 500-token
+    prompt with 20-token answers costs about 660 tokens of forward work, not 4160, and the answers'
+    lengths, not the prompt's repetitions, decide how heavy it is.
+    """
+    calls = [c for t in group.trajectories for c in t.calls]
+    total = sum(len(c.prompt_token_ids) + len(c.completion_token_ids) for c in calls)
+    if not share_prefix or len(calls) < 2:
+        return total
+    first, shared = calls[0].prompt_token_ids, min(len(c.prompt_token_ids) for c in calls)
+    for c in calls[1:]:
+        i = 0
+        while i < shared and c.prompt_token_ids[i] == first[i]:
+            i += 1
+        shared = i
+    return total - shared * (len(calls) - 1) if shared >= min_shared_prefix else total
 
 
-def split_groups_by_tokens(groups: Sequence[TrajectoryGroup], ranks: int) -> list[list[int]]:
+def split_groups_by_tokens(groups: Sequence[TrajectoryGroup], ranks: int, *,
+                           share_prefix: bool = False) -> list[list[int]]:
     """Indices of ``groups`` per rank, balancing tokens (largest group first, to the lightest rank).
 
     Groups stay whole: GRPO's advantages are relative within a group.
+
+    Args:
+        groups: the step's groups.
+        ranks: how many ranks share the step.
+        share_prefix: whether the ranks run each group's shared prompt once (see ``group_tokens``).
 
     Returns:
         ``ranks`` lists of group indices (a list may be empty when there are fewer groups than ranks).
     """
     if ranks < 1:
         raise ValueError(f"ranks must be at least 1, got {ranks}")
+    cost = [max(group_tokens(g, share_prefix=share_prefix), 1) for g in groups]
     load = [0] * ranks
     shares: list[list[int]] = [[] for _ in range(ranks)]
-    for i in sorted(range(len(groups)), key=lambda i: -group_tokens(groups[i])):
+    for i in sorted(range(len(groups)), key=lambda i: -cost[i]):
         r = min(range(ranks), key=lambda r: (load[r], len(shares[r])))
         shares[r].append(i)
-        load[r] += max(group_tokens(groups[i]), 1)
+        load[r] += cost[i]
     return [sorted(s) for s in shares]
 
 

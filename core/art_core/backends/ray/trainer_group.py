@@ -231,7 +231,8 @@ class TrainerGroup:
                 (checked here, before any rank starts: a rank failing alone would leave the others waiting).
         """
         _check_groups(groups, config)
-        shares = split_groups_by_tokens(groups, len(self.ranks))
+        # Sharded ranks run without prefix sharing (ShardedSync), so the shared prompts then count in full.
+        shares = split_groups_by_tokens(groups, len(self.ranks), share_prefix=config.share_prefix and not self.sharded)
         config_data = config.model_dump(mode="json")
         replies = await asyncio.gather(*(
             rank.train.remote([groups[i].model_dump(mode="json") for i in share], config_data,
