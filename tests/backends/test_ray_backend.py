@@ -205,6 +205,7 @@ async def test_fsdp2_trainer_group_matches_one_process(cluster: Any, tiny_model_
     groups = _token_groups(0)
     async with backend:
         await model.register(backend)
+        assert model.api_key is None, "the contract's api_key(model): a loopback gateway wants no key"
         trainer = backend.trainer_group(model.spec)
         assert trainer.sharded
         start = tmp_path / "start"

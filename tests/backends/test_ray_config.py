@@ -40,6 +40,10 @@ def test_rollout_import_paths() -> None:
         import_rollout("json:nope")
 
 
+def test_the_api_key_argument_does_not_hide_the_contract_method() -> None:
+    assert callable(RayBackend(api_key="k" * 24).api_key)
+
+
 async def test_closing_an_unused_backend_needs_no_ray() -> None:
     backend = RayBackend()
     await backend.aclose()

@@ -133,7 +133,8 @@ class RayBackend:
         self.gpus_per_replica, self.gpus_per_rank = gpus_per_replica, gpus_per_rank
         self.num_threads = num_threads
         self.resources = resources or {}
-        self.gateway_host, self.api_key = gateway_host, api_key
+        # Not `self.api_key`: that name is the contract's api_key(model) method, which an attribute would hide.
+        self.gateway_host, self._api_key = gateway_host, api_key
         self.runtime_env = runtime_env
         self.max_rollout_attempts = max_rollout_attempts
         self.sharding = sharding
@@ -196,7 +197,7 @@ class RayBackend:
         router = ReplicaRouter(replicas, tokenizer, step=step)
         settings = GatewaySettings(model_name=model.name, base_model_name=Path(model.base_model).name,
                                    records_path=model_dir / "records.jsonl", host=self.gateway_host,
-                                   api_key=self.api_key)
+                                   api_key=self._api_key)
         gateway = await Gateway(router, settings, RecordStore(settings.records_path)).start()
         host = self.gateway_host
         if host in ("0.0.0.0", "", "::"):  # workers on other nodes reach this node by its address
@@ -343,7 +344,7 @@ class RayBackend:
                 scheduling_strategy="SPREAD", max_concurrency=self.rollouts_per_worker + 1)
             spec = model.model_dump(mode="json")
             pool = RolloutPool(lambda: actor.remote(rollout=rollout, gateway_url=slot.worker_url,
-                                                    api_key=self.api_key, spec=spec, step=slot.step),
+                                                    api_key=self._api_key, spec=spec, step=slot.step),
                                workers=self.rollout_workers, per_worker=self.rollouts_per_worker,
                                max_attempts=self.max_rollout_attempts)
             slot.pools[rollout] = pool
