@@ -8,6 +8,7 @@ client, in this process, runs two groups of chat rollouts through the server's g
 from __future__ import annotations
 
 import random
+import re
 import uuid
 from pathlib import Path
 
@@ -19,6 +20,20 @@ pytest.importorskip("ray", reason="needs art-core[distributed]")
 
 from art_core import RemoteBackend, TrainableModel, TrainConfig, TrajectoryGroup  # noqa: E402
 from art_core.server.wire import API_PREFIX  # noqa: E402
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"backend": "k8s"}, "--backend 'k8s' is not one of local, ray"),
+    ({"backend": "ray", "inference": "sglang"}, "--inference 'sglang' is not one of transformers, vllm"),
+    ({"backend": "ray", "trainer": "unsloth"}, "not available with --backend ray"),
+    ({"trainer_workers": 2}, "need --backend ray"),
+])
+def test_serve_settings_name_what_is_wrong_with_the_ray_options(kwargs: dict, message: str) -> None:
+    from art_core import ConfigError
+    from art_core.server.run import ServerSettings
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ServerSettings(**kwargs)
 
 
 async def _group(model: TrainableModel, question: str, n: int) -> TrajectoryGroup:

@@ -83,11 +83,11 @@ class ServerSettings:
         backend_options = _backend_options()
         for option, value, choices in (("inference", inference, INFERENCE_CHOICES),
                                        ("trainer", trainer, TRAINER_CHOICES)):
-            if value is None or backend == "ray":
+            if value is None:
                 continue
             if value not in choices:
                 problems.append(f"--{option} {value!r} is not one of {', '.join(choices)}")
-            elif option not in backend_options and value != choices[0]:
+            elif backend != "ray" and option not in backend_options and value != choices[0]:
                 problems.append(f"--{option} {value} is not available in this art-core (its LocalBackend has no "
                                 f"{option}= option; only {choices[0]} runs here)")
         if problems:
