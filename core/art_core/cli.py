@@ -53,6 +53,12 @@ def serve(
     trainer: str = typer.Option(None, help="Trainer: peft or unsloth [default: LocalBackend's]."),
     max_body_mb: int = typer.Option(256, help="Largest training-API request body, in MiB (gzip inflated)."),
     threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
+    backend: str = typer.Option("local", help="local (this machine) or ray (replicas and trainer ranks on a Ray "
+                                               "cluster; needs art-core[distributed])."),
+    ray_address: str = typer.Option(None, help="With --backend ray: the cluster (auto, ray://host:10001) "
+                                               "[default: a local one]."),
+    replicas: int = typer.Option(1, help="With --backend ray: engine replicas behind each gateway."),
+    trainer_workers: int = typer.Option(1, help="With --backend ray: ranks of the trainer group."),
 ) -> None:
     """Serve the training API and every registered model's OpenAI-compatible gateway on one port.
 
@@ -63,7 +69,9 @@ def serve(
 
     try:
         settings = ServerSettings(host=host, port=port, token=token, path=path, inference=inference,
-                                  trainer=trainer, max_body_mb=max_body_mb, num_threads=threads or None)
+                                  trainer=trainer, max_body_mb=max_body_mb, num_threads=threads or None,
+                                  backend=backend, ray_address=ray_address, inference_replicas=replicas,
+                                  trainer_workers=trainer_workers)
     except ConfigError as exc:
         typer.secho(str(exc), fg="red", err=True)
         raise typer.Exit(2) from exc

@@ -20,7 +20,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="needs art-core[distributed]")
 
-from art_core import LoraSettings, TrainableModel, TrainConfig  # noqa: E402
+from art_core import CallRecord, LoraSettings, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup  # noqa: E402
 from art_core.backends.ray import RayBackend  # noqa: E402
 from art_core.training.trainer import GRPOTrainer, load_policy  # noqa: E402
 
@@ -175,3 +175,55 @@ async def test_ray_backend_scenario(cluster: Any, scripted_dir: Path, tmp_path: 
         metrics = await model.train(groups, config=config)
         assert model.step == 2 and metrics["trained"] == 1.0 and router.adapter_step == 2
         assert len(await backend.history(model.spec)) == 2
+
+
+def _token_groups(seed: int) -> list[TrajectoryGroup]:
+    """Four groups of three one-call trajectories with token ids only (no text), of unequal lengths and rewards."""
+    import random
+
+    rng = random.Random(seed)
+    groups = []
+    for g in range(4):
+        prompt = [rng.randrange(100, 5000) for _ in range(6 + 5 * g)]
+        groups.append(TrajectoryGroup([
+            Trajectory(messages=[], reward=float(i == g % 3) + 0.1 * i,
+                       calls=[CallRecord(prompt_token_ids=prompt,
+                                         completion_token_ids=[rng.randrange(100, 5000) for _ in range(4 + i + g)])])
+            for i in range(3)]))
+    return groups
+
+
+async def test_fsdp2_trainer_group_matches_one_process(cluster: Any, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``sharding="fsdp"``: two ranks each hold half the base (FSDP2); the step's LoRA gradients equal one process's."""
+    import torch
+
+    lora = LoraSettings(rank=4, alpha=8)
+    model = TrainableModel(name="sharded", base_model=tiny_model_dir, lora=lora)
+    backend = RayBackend(address=cluster.address, path=tmp_path, inference_replicas=1, trainer_workers=2,
+                         num_threads=1, cpus_per_replica=1, cpus_per_rank=1, runtime_env=_runtime_env(),
+                         sharding="fsdp")
+    groups = _token_groups(0)
+    async with backend:
+        await model.register(backend)
+        assert model.api_key is None, "the contract's api_key(model): a loopback gateway wants no key"
+        trainer = backend.trainer_group(model.spec)
+        assert trainer.sharded
+        start = tmp_path / "start"
+        start.mkdir()
+        for name, data in (await trainer.adapter()).items():
+            (start / name).write_bytes(data)
+        config = TrainConfig(learning_rate=1e-3, micro_batch_tokens=32)
+        result = await backend.train_step(model.spec, groups, config, return_gradients=True)
+        assert result["step"] == 1 and all(result["shares"])
+        assert backend.router(model.spec).adapter_step == 1, "the replica serves the sharded group's adapter"
+    policy, tokenizer = load_policy(tiny_model_dir, lora, device="cpu", adapter_dir=start)
+    reference = _Recording()
+    GRPOTrainer(policy, tokenizer).train_step(groups, config, sync=reference)
+    names = [n for n, p in policy.named_parameters() if p.requires_grad]
+    rank0, rank1 = result["gradients"]
+    diff = max(float((torch.tensor(rank0[n]) - g).abs().max()) for n, g in zip(names, reference.recorded))
+    scale = max(float(g.abs().max()) for g in reference.recorded)
+    print(f"FSDP2 trainer group: LoRA gradient max abs diff, 2 ranks vs 1 process: {diff:.3e} "
+          f"(largest gradient {scale:.3e})")
+    assert scale > 0 and diff <= 1e-4 * scale
+    assert all((rank0[n] == rank1[n]).all() for n in names)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from art_core import ConfigError, RayBackend
+from art_core import ConfigError, RayBackend, VLLMOptions
 from art_core.backends.ray.rollouts import import_rollout
 
 
@@ -20,7 +20,9 @@ def test_importing_art_core_does_not_import_ray() -> None:
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"inference_replicas": 0}, "inference_replicas must be at least 1"),
     ({"trainer_workers": 0}, "trainer_workers must be at least 1"),
-    ({"inference": "vllm"}, "vLLM replicas are not implemented"),
+    ({"inference": "sglang"}, "use 'transformers' or 'vllm'"),
+    ({"inference": "vllm", "vllm": VLLMOptions(python="/no/such/venv")}, "no vLLM python at /no/such/venv"),
+    ({"sharding": "zero3"}, "use 'none', 'fsdp' or 'auto'"),
     ({"resources": {"gpu-nodes": {"a100": 1}}}, "unknown role"),
 ])
 def test_bad_arguments_name_the_problem(kwargs: dict, message: str) -> None:
@@ -36,6 +38,10 @@ def test_rollout_import_paths() -> None:
         import_rollout("no_such_module_xyz:run")
     with pytest.raises(ConfigError, match="has no function 'nope'"):
         import_rollout("json:nope")
+
+
+def test_the_api_key_argument_does_not_hide_the_contract_method() -> None:
+    assert callable(RayBackend(api_key="k" * 24).api_key)
 
 
 async def test_closing_an_unused_backend_needs_no_ray() -> None:

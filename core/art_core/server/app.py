@@ -1,4 +1,7 @@
-"""The server's ASGI app: the training API over a ``LocalBackend``, and every model's gateway, on one port.
+"""The server's ASGI app: the training API over a backend, and every model's gateway, on one port.
+
+The backend is any ``Backend`` that also hands out each model's running ``Gateway`` (``ServedBackend``):
+``LocalBackend`` (one machine) or ``RayBackend`` (engine replicas and a trainer group on a Ray cluster).
 
     bearer_token (every route)  ->  TrainingBody (API bodies: limit, gzip)  ->  /art/v1/...   the training API
                                                                            ->  /gateway/...  each model's gateway
@@ -10,10 +13,11 @@ the ``art_core.errors`` class name, so ``RemoteBackend`` raises the same class w
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
@@ -23,8 +27,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
-from ..backends.base import ModelSpec
-from ..backends.local import LocalBackend
+from ..backends.base import Backend, ModelSpec
 from ..errors import (
     ArtError,
     BaseModelNotFoundError,
@@ -45,7 +48,10 @@ from .wire import (
     train_id_for,
 )
 
-__all__ = ["ServerApp", "create_server_app"]
+if TYPE_CHECKING:
+    from ..gateway import Gateway
+
+__all__ = ["ServedBackend", "ServerApp", "create_server_app"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +69,16 @@ class _ServedModels:
         self.specs: dict[tuple[str, str], ModelSpec] = {}
 
 
-def create_server_app(backend: LocalBackend, *, token: str | None, max_body_bytes: int) -> ServerApp:
-    """Build the server's app over ``backend`` (made with ``gateway_mount=``, see ``run.serve``).
+class ServedBackend(Backend, Protocol):
+    """A ``Backend`` the server can put behind its port: it also gives each registered model's gateway."""
+
+    def gateway(self, model: ModelSpec) -> Gateway:
+        """The model's running gateway (the server mounts its ``app`` at ``/gateway/<project>/<name>``)."""
+        ...
+
+
+def create_server_app(backend: ServedBackend, *, token: str | None, max_body_bytes: int) -> ServerApp:
+    """Build the server's app over ``backend`` (see ``run.serve``).
 
     Args:
         backend: trains and serves the models.
@@ -77,6 +91,8 @@ def create_server_app(backend: LocalBackend, *, token: str | None, max_body_byte
     served = _ServedModels()
     jobs = TrainJobs()
     registering = asyncio.Lock()  # two clients registering one model at once: one loads it, one attaches
+    # LocalBackend reports each micro-batch; a backend whose train takes no progress reports none.
+    reports_progress = "progress" in inspect.signature(backend.train).parameters
 
     def spec_of(request: Request) -> ModelSpec:
         key = (request.path_params["project"], request.path_params["name"])
@@ -114,7 +130,8 @@ def create_server_app(backend: LocalBackend, *, token: str | None, max_body_byte
         job, state = jobs.attach(body.train_id, digest, record_dir)
         if job is None:
             async def run(progress: Any) -> dict[str, Any]:
-                result = await backend.train(spec, body.groups, body.config, progress=progress)
+                options = {"progress": progress} if reports_progress else {}
+                result = await backend.train(spec, body.groups, body.config, **options)
                 return result.model_dump(mode="json")
 
             job = jobs.start(body.train_id, digest, record_dir, run)
@@ -177,7 +194,7 @@ class ServerApp:
 class _Dispatch:
     """``/gateway/{project}/{name}/...`` to that model's gateway app; everything else to the training API."""
 
-    def __init__(self, api: Starlette, backend: LocalBackend, served: _ServedModels) -> None:
+    def __init__(self, api: Starlette, backend: ServedBackend, served: _ServedModels) -> None:
         self.api, self.backend, self.served = api, backend, served
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -1,6 +1,7 @@
 """``art-core serve``: one process, one port, the training API and every registered model's gateway.
 
     art-core serve --host 0.0.0.0 --port 7999 --token "$ART_SERVER_TOKEN"
+    art-core serve --backend ray --ray-address auto --replicas 2 --trainer-workers 2 ...   # on a Ray cluster
 
 A host other than loopback needs a token (``--token`` or ``ART_SERVER_TOKEN``): the server trains and
 serves models for anyone who can reach it.
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 MiB = 1024 * 1024
 INFERENCE_CHOICES = ("transformers", "vllm")
 TRAINER_CHOICES = ("peft", "unsloth")
+BACKEND_CHOICES = ("local", "ray")
 
 
 class ServerSettings:
@@ -42,7 +44,13 @@ class ServerSettings:
         inference: the engine (``LocalBackend(inference=...)``), when this art-core's LocalBackend takes it.
         trainer: the trainer (``LocalBackend(trainer=...)``), likewise.
         max_body_mb: largest training-API body in MiB (before and after gzip).
-        num_threads: torch threads for training and inference (None: torch's default).
+        num_threads: torch threads for training and inference (None: torch's default); on Ray, in each
+            replica and rank.
+        backend: ``"local"`` (``LocalBackend``, this machine) or ``"ray"`` (``RayBackend``: engine replicas
+            and a trainer group on a Ray cluster; needs ``art-core[distributed]``).
+        ray_address: with ``backend="ray"``: the cluster (``"auto"``, ``"ray://host:10001"``); None starts a
+            local one whose files stay under ``<path>/ray``.
+        inference_replicas, trainer_workers: with ``backend="ray"``: engine replicas and trainer ranks.
 
     Raises:
         ConfigError: every problem found, in one message.
@@ -50,8 +58,18 @@ class ServerSettings:
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 7999, token: str | None = None,
                  path: str | Path = ".art", inference: str | None = None, trainer: str | None = None,
-                 max_body_mb: int = 256, num_threads: int | None = None) -> None:
+                 max_body_mb: int = 256, num_threads: int | None = None, backend: str = "local",
+                 ray_address: str | None = None, inference_replicas: int = 1, trainer_workers: int = 1) -> None:
         problems = []
+        if backend not in BACKEND_CHOICES:
+            problems.append(f"--backend {backend!r} is not one of {', '.join(BACKEND_CHOICES)}")
+        elif backend == "local" and (ray_address is not None or inference_replicas != 1 or trainer_workers != 1):
+            problems.append("--ray-address, --replicas and --trainer-workers need --backend ray")
+        elif backend == "ray":
+            if trainer not in (None, TRAINER_CHOICES[0]):
+                problems.append(f"--trainer {trainer} is not available with --backend ray (its ranks train with peft)")
+            if inference_replicas < 1 or trainer_workers < 1:
+                problems.append("--replicas and --trainer-workers must be at least 1")
         token = token if token is not None else os.environ.get("ART_SERVER_TOKEN") or None
         if token is None and not is_loopback_host(host):
             problems.append(f"host {host!r} is not a loopback address, so other machines could train and call "
@@ -69,7 +87,7 @@ class ServerSettings:
                 continue
             if value not in choices:
                 problems.append(f"--{option} {value!r} is not one of {', '.join(choices)}")
-            elif option not in backend_options and value != choices[0]:
+            elif backend != "ray" and option not in backend_options and value != choices[0]:
                 problems.append(f"--{option} {value} is not available in this art-core (its LocalBackend has no "
                                 f"{option}= option; only {choices[0]} runs here)")
         if problems:
@@ -77,6 +95,8 @@ class ServerSettings:
         self.host, self.port, self.token, self.path = host, port, token, Path(path)
         self.max_body_bytes = max_body_mb * MiB
         self.num_threads = num_threads
+        self.backend, self.ray_address, self.inference = backend, ray_address, inference
+        self.inference_replicas, self.trainer_workers = inference_replicas, trainer_workers
         # Passed on only when LocalBackend takes them (see _backend_options); otherwise the default is what runs.
         self.backend_options: dict[str, Any] = {k: v for k, v in (("inference", inference), ("trainer", trainer))
                                                 if v is not None and k in backend_options}
@@ -100,7 +120,6 @@ async def serve(settings: ServerSettings, *, ready: Any = None) -> None:
     """
     import uvicorn
 
-    from ..backends.local import LocalBackend
     from .app import create_server_app
 
     _quiet_progress_bars()
@@ -112,9 +131,7 @@ async def serve(settings: ServerSettings, *, ready: Any = None) -> None:
         torch.set_num_threads(settings.num_threads)
     sock = _bind(settings.host, settings.port)
     url = f"http://{_client_host(settings.host)}:{sock.getsockname()[1]}"
-    backend = LocalBackend(path=settings.path, num_threads=settings.num_threads, show_progress=False,
-                           gateway_mount=lambda spec: url + gateway_path(spec.project, spec.name),
-                           **settings.backend_options)
+    backend = _backend(settings, url)
     app = create_server_app(backend, token=settings.token, max_body_bytes=settings.max_body_bytes)
     config = uvicorn.Config(app, log_level="warning", log_config=None, access_log=False, lifespan="off",
                             timeout_graceful_shutdown=30, timeout_keep_alive=75)  # keep-alive: see gateway/server.py
@@ -143,6 +160,23 @@ async def serve(settings: ServerSettings, *, ready: Any = None) -> None:
         sock.close()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
+
+
+def _backend(settings: ServerSettings, url: str) -> Any:
+    if settings.backend == "ray":
+        from ..backends.ray import RayBackend
+
+        # The gateways also listen on their own loopback ports (the rollout workers' way in, on this node);
+        # the server mounts the same apps, with the same token.
+        return RayBackend(address=settings.ray_address, path=settings.path,
+                          inference=settings.inference or "transformers",
+                          inference_replicas=settings.inference_replicas, trainer_workers=settings.trainer_workers,
+                          num_threads=settings.num_threads, api_key=settings.token)
+    from ..backends.local import LocalBackend
+
+    return LocalBackend(path=settings.path, num_threads=settings.num_threads, show_progress=False,
+                        gateway_mount=lambda spec: url + gateway_path(spec.project, spec.name),
+                        **settings.backend_options)
 
 
 def run_forever(settings: ServerSettings) -> None:

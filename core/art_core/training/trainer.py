@@ -230,6 +230,8 @@ class GRPOTrainer:
         plan = plan_micro_batches(sample_groups, token_budget=config.micro_batch_tokens,
                                   share_prefix=config.share_prefix and self.share_prefix, pad_token_id=self._pad_id())
         total_batches = sum(len(pg.micro_batches) for pg in plan)
+        if sync is not None and hasattr(sync, "planned"):  # FSDP ranks agree on a pass count (distributed.py)
+            sync.planned(total_batches)
         t_prepared = time.perf_counter()
 
         # 3. loss: forward + backward per micro-batch; the micro-batch losses of a step add up to its loss

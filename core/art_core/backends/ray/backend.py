@@ -37,6 +37,7 @@ from ..base import ModelSpec, TrainResult
 from .._shared import append_history, read_history, render_chat, sampled_trajectories, trajectories_path
 
 if TYPE_CHECKING:
+    from .._engines import VLLMOptions
     from ...gateway import Gateway
     from ...gateway.records import ExchangeRecord
     from .replicas import ReplicaRouter
@@ -71,12 +72,16 @@ class RayBackend:
         address: the cluster: None starts a local one (stopped by ``aclose``), ``"auto"`` joins the one this
             node belongs to, ``"ray://host:10001"`` a remote one. Default: None.
         path: root folder of projects on the driver's disk (checkpoints, trajectories, records, history,
-            and the local cluster's temp and log files under ``<path>/ray``).
+            and the local cluster's temp and log files under ``<path>/ray``; when that path is too long for
+            Ray's Unix sockets, ``<path>/ray`` links to a short folder in the system's temp folder).
         inference_replicas: engine replicas behind the gateway. Default: 1.
         trainer_workers: ranks of the trainer group. Default: 1.
         rollout_workers: rollout worker actors for ``gather`` (started on first use). Default: 8.
         rollouts_per_worker: rollouts each worker runs at once. Default: 4 (agents mostly wait on HTTP).
-        inference: the replicas' engine. Only ``"transformers"`` is implemented (vLLM replicas are not).
+        inference: the replicas' engine: ``"transformers"`` (in the replica's process) or ``"vllm"`` (each
+            replica actor runs a vLLM server on its node, started as ``LocalBackend(inference="vllm")`` starts
+            one; the vLLM venv, ``vllm.python`` or ``$ART_VLLM_VENV``, must exist on every replica node).
+        vllm: how vLLM replicas start (``VLLMOptions``: venv, dtype, extra ``vllm serve`` arguments).
         cpus_per_replica, cpus_per_rank: CPUs Ray reserves for each. Default: 1.
         cpus_per_rollout_worker: Default: 0.25 (an agent mostly waits for the gateway).
         gpus_per_replica, gpus_per_rank: GPUs for each. Default: 1 when the cluster has GPUs, else 0.
@@ -90,6 +95,10 @@ class RayBackend:
         runtime_env: Ray's runtime environment for every actor (e.g. ``{"py_modules": [...]}`` to ship the
             module of your rollout function).
         max_rollout_attempts: tries per rollout when its worker is lost. Default: 3.
+        sharding: the trainer group's weights: ``"none"`` (every rank holds the whole model), ``"fsdp"``
+            (FSDP2 shards the frozen base over the ranks, one decoder layer per unit; the LoRA adapter stays
+            whole on each) or ``"auto"`` (FSDP2 when the base's weight files take more than half of one
+            GPU; never on CPU-only ranks). Default: ``"auto"``.
     """
 
     def __init__(self, *, address: str | None = None, path: str | Path = ".art", inference_replicas: int = 1,
@@ -99,14 +108,18 @@ class RayBackend:
                  gpus_per_rank: float | None = None, num_threads: int | None = None,
                  resources: dict[str, dict[str, float]] | None = None, gateway_host: str = "127.0.0.1",
                  api_key: str | None = None, runtime_env: dict[str, Any] | None = None,
-                 max_rollout_attempts: int = 3) -> None:
+                 max_rollout_attempts: int = 3, sharding: str = "auto", vllm: VLLMOptions | None = None) -> None:
         for name, value in (("inference_replicas", inference_replicas), ("trainer_workers", trainer_workers),
                             ("rollout_workers", rollout_workers), ("rollouts_per_worker", rollouts_per_worker)):
             if value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}")
-        if inference != "transformers":
-            raise ConfigError(f"inference={inference!r} is not available on RayBackend: use 'transformers' "
-                              "(vLLM replicas are not implemented yet)")
+        if inference not in ("transformers", "vllm"):
+            raise ConfigError(f"inference={inference!r} is not available on RayBackend: use 'transformers' or 'vllm'")
+        if vllm is not None and inference != "vllm":
+            raise ConfigError("vllm= options need inference='vllm'")
+        vllm_options = _vllm_options(vllm) if inference == "vllm" else None
+        if sharding not in ("none", "fsdp", "auto"):
+            raise ConfigError(f"sharding={sharding!r} is not available: use 'none', 'fsdp' or 'auto'")
         unknown = set(resources or {}) - set(_ROLES)
         if unknown:
             raise ConfigError(f"resources has unknown role(s) {sorted(unknown)}: use {', '.join(_ROLES)}")
@@ -120,9 +133,12 @@ class RayBackend:
         self.gpus_per_replica, self.gpus_per_rank = gpus_per_replica, gpus_per_rank
         self.num_threads = num_threads
         self.resources = resources or {}
-        self.gateway_host, self.api_key = gateway_host, api_key
+        # Not `self.api_key`: that name is the contract's api_key(model) method, which an attribute would hide.
+        self.gateway_host, self._api_key = gateway_host, api_key
         self.runtime_env = runtime_env
         self.max_rollout_attempts = max_rollout_attempts
+        self.sharding = sharding
+        self.vllm = vllm_options
         self._slots: dict[tuple[str, str], _Slot] = {}
         self._env_before: dict[str, str | None] | None = None
         self._started = False
@@ -165,7 +181,7 @@ class RayBackend:
             workers=self.trainer_workers, base_dir=model.base_model, lora=model.lora, checkpoint=checkpoint,
             num_threads=self.num_threads, cpus_per_rank=self.cpus_per_rank,
             gpus_per_rank=self.gpus_per_rank if self.gpus_per_rank is not None else gpus,
-            extra=self.resources.get("trainer", {}))
+            extra=self.resources.get("trainer", {}), sharding=self.sharding)
         adapter = await trainer.adapter()  # the replicas serve exactly the weights the trainer starts from
         replica_actor = ray.remote(EngineReplica)
         replicas = [replica_actor.options(
@@ -173,14 +189,15 @@ class RayBackend:
             num_gpus=self.gpus_per_replica if self.gpus_per_replica is not None else gpus,
             resources=self.resources.get("replica") or None, scheduling_strategy="SPREAD",
         ).remote(base_dir=model.base_model, adapter=adapter, lora=model.lora.model_dump(), step=step,
-                 engine=self.inference, num_threads=self.num_threads)
+                 engine=self.inference, num_threads=self.num_threads,
+                 vllm=self.vllm.model_dump(mode="json") if self.vllm else None)
             for _ in range(self.inference_replicas)]
-        await asyncio.gather(*(r.adapter_step.remote() for r in replicas))  # loaded (raises if one failed)
+        await asyncio.gather(*(r.start.remote() for r in replicas))  # loaded (raises if one failed)
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, base_dir)
         router = ReplicaRouter(replicas, tokenizer, step=step)
         settings = GatewaySettings(model_name=model.name, base_model_name=Path(model.base_model).name,
                                    records_path=model_dir / "records.jsonl", host=self.gateway_host,
-                                   api_key=self.api_key)
+                                   api_key=self._api_key)
         gateway = await Gateway(router, settings, RecordStore(settings.records_path)).start()
         host = self.gateway_host
         if host in ("0.0.0.0", "", "::"):  # workers on other nodes reach this node by its address
@@ -190,6 +207,14 @@ class RayBackend:
 
     def base_url(self, model: ModelSpec) -> str:
         return self._slot(model).gateway.base_url
+
+    def gateway(self, model: ModelSpec) -> Gateway:
+        """The model's running gateway (its ``app``, ``records``, URLs); ``art-core serve`` mounts its app.
+
+        Raises:
+            LifecycleError: the model is not registered, or this backend is closed.
+        """
+        return self._slot(model).gateway
 
     def api_key(self, model: ModelSpec) -> str | None:
         return self._slot(model).gateway.settings.api_key
@@ -319,7 +344,7 @@ class RayBackend:
                 scheduling_strategy="SPREAD", max_concurrency=self.rollouts_per_worker + 1)
             spec = model.model_dump(mode="json")
             pool = RolloutPool(lambda: actor.remote(rollout=rollout, gateway_url=slot.worker_url,
-                                                    api_key=self.api_key, spec=spec, step=slot.step),
+                                                    api_key=self._api_key, spec=spec, step=slot.step),
                                workers=self.rollout_workers, per_worker=self.rollouts_per_worker,
                                max_attempts=self.max_rollout_attempts)
             slot.pools[rollout] = pool
@@ -351,8 +376,7 @@ class RayBackend:
             if ray.is_initialized():
                 pass  # the caller connected (e.g. to a test cluster): use it, and leave it connected
             elif self.address is None:
-                temp = (self.path / "ray").resolve()
-                temp.mkdir(parents=True, exist_ok=True)
+                temp = _ray_temp_dir(self.path / "ray")
                 # Ray enables token auth for a new local cluster (setting RAY_AUTH_MODE in this process) and
                 # would save the token in ~/.ray; keep it under the run's folder, and restore both on close.
                 self._env_before = {name: os.environ.get(name) for name in _AUTH_ENV}
@@ -381,6 +405,45 @@ class RayBackend:
     def _check_open(self) -> None:
         if self._closed:
             raise LifecycleError("this RayBackend is closed; create a new one")
+
+
+def _vllm_options(options: VLLMOptions | None) -> VLLMOptions:
+    """The vLLM replicas' options, checked on this node (the driver's) so a missing venv fails here, early."""
+    from .._engines import VLLMOptions, inference_choice
+
+    options = options or VLLMOptions()
+    inference_choice("vllm").check(options)
+    return options
+
+
+_SOCKET_PATH_ROOM = 107 - len("/session_2026-01-01_00-00-00_000000_4194304/sockets/plasma_store")
+"""Characters left for Ray's temp folder: its sockets live below it, and a Unix socket path has 107 at most."""
+
+
+def _ray_temp_dir(wanted: Path) -> Path:
+    """The local cluster's temp folder: ``wanted`` (``<path>/ray``), or, when that is too long a path for
+    Ray's Unix sockets, a short folder under the system's temp folder that ``wanted`` links to."""
+    import logging
+    import tempfile
+
+    wanted = wanted.absolute()
+    if len(str(wanted.resolve())) <= _SOCKET_PATH_ROOM:
+        wanted.mkdir(parents=True, exist_ok=True)
+        return wanted.resolve()
+    if wanted.is_symlink() and wanted.resolve().is_dir():
+        return wanted.resolve()  # a short folder linked by an earlier run
+    short = Path(tempfile.mkdtemp(prefix="art-ray-"))
+    if len(str(short)) > _SOCKET_PATH_ROOM:
+        raise ConfigError(f"Ray's sockets need a temp folder path of at most {_SOCKET_PATH_ROOM} characters; "
+                          f"{wanted} and {short} are longer: use a shorter path= or set TMPDIR to a short folder")
+    wanted.parent.mkdir(parents=True, exist_ok=True)
+    if wanted.exists():
+        raise ConfigError(f"{wanted} exists and its path is too long for Ray's sockets; remove it or use a "
+                          "shorter path=")
+    wanted.symlink_to(short, target_is_directory=True)
+    logging.getLogger(__name__).info("Ray's files are in %s (linked from %s: that path is too long for Ray's "
+                                     "sockets)", short, wanted)
+    return short
 
 
 def _write_files(folder: Path, files: dict[str, bytes]) -> None:

@@ -41,18 +41,48 @@ def adapter_files(folder: Path) -> dict[str, bytes]:
 class EngineReplica:
     """One inference engine in a Ray actor (wrapped with ``ray.remote`` by ``RayBackend``).
 
+    Call ``start()`` once before anything else: it loads the engine (a transformers model in this
+    process, or a vLLM server subprocess of this actor's node started through ``LocalBackend``'s own
+    ``inference_choice("vllm")``).
+
     Args:
         base_dir: the base model: a registered name or a folder on the replica's node.
         adapter: adapter files (``adapter_files``) to serve at start, or None for a fresh adapter.
         lora: the adapter's shape (``LoraSettings`` as a dict), used when ``adapter`` is None.
         step: the checkpoint step ``adapter`` is.
-        engine: ``"transformers"`` (vLLM replicas: see ``RayBackend``'s docstring).
+        engine: ``"transformers"`` or ``"vllm"``.
         num_threads: torch threads for this replica (None: torch's default).
-        scratch: a folder on the replica's node for adapters received (default: a temporary folder).
+        scratch: a folder on the replica's node for adapters received and engine logs (default: a temporary folder).
+        vllm: ``VLLMOptions`` as a dict (``engine="vllm"``): the vLLM venv on this node, dtype, extra arguments.
     """
 
     def __init__(self, *, base_dir: str, adapter: dict[str, bytes] | None, lora: dict[str, Any], step: int,
-                 engine: str = "transformers", num_threads: int | None = None, scratch: str | None = None) -> None:
+                 engine: str = "transformers", num_threads: int | None = None, scratch: str | None = None,
+                 vllm: dict[str, Any] | None = None) -> None:
+        import torch
+
+        if engine not in ("transformers", "vllm"):
+            raise EngineError(f"replica engine {engine!r} is not available: use 'transformers' or 'vllm'")
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self._scratch = Path(scratch or tempfile.mkdtemp(prefix="art-replica-"))
+        self._scratch.mkdir(parents=True, exist_ok=True)
+        self._kind, self._base_dir, self._lora, self._vllm = engine, base_dir, lora, vllm or {}
+        self._adapter_dir = self._write(adapter, step) if adapter else None
+        self._step = step
+        self.engine: Any = None
+
+    async def start(self) -> int:
+        """Load the engine (once); returns the step it serves."""
+        if self.engine is not None:
+            return int(self.engine.adapter_step)
+        if self._kind == "vllm":
+            self.engine = await self._start_vllm()
+        else:
+            await asyncio.to_thread(self._start_transformers)
+        return int(self.engine.adapter_step)
+
+    def _start_transformers(self) -> None:
         import torch
 
         from ...config import LoraSettings
@@ -60,17 +90,34 @@ class EngineReplica:
         from ...models import resolve_base_model
         from ...training.trainer import load_policy
 
-        if engine != "transformers":
-            raise EngineError(f"replica engine {engine!r} is not available: use 'transformers'")
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
-        self._scratch = Path(scratch or tempfile.mkdtemp(prefix="art-replica-"))
-        self._scratch.mkdir(parents=True, exist_ok=True)
-        adapter_dir = self._write(adapter, step) if adapter else None
-        policy, tokenizer = load_policy(resolve_base_model(base_dir), LoraSettings.model_validate(lora), device="cpu"
-                                        if not torch.cuda.is_available() else "cuda", adapter_dir=adapter_dir)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        policy, tokenizer = load_policy(resolve_base_model(self._base_dir), LoraSettings.model_validate(self._lora),
+                                        device=device, adapter_dir=self._adapter_dir)
         policy.eval()
-        self.engine = TransformersEngine(policy, tokenizer, adapter_step=step)
+        self.engine = TransformersEngine(policy, tokenizer, adapter_step=self._step)
+
+    async def _start_vllm(self) -> Any:
+        import torch
+        from transformers import AutoTokenizer
+
+        from ...config import LoraSettings
+        from ...models import resolve_base_model
+        from .._engines import EngineContext, VLLMOptions, inference_choice
+        from ..base import ModelSpec
+
+        base = resolve_base_model(self._base_dir)
+        device = "cuda:0" if torch.cuda.is_available() else "cpu"  # Ray set CUDA_VISIBLE_DEVICES to this actor's GPU
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, base)
+        spec = ModelSpec(name="replica", project="ray", base_model=str(base),
+                         lora=LoraSettings.model_validate(self._lora))
+        # The replica has no trainer beside it: vLLM has its device alone and never sleeps.
+        ctx = EngineContext(spec=spec, base_dir=base, policy=None, tokenizer=tokenizer, step=self._step,
+                            adapter_dir=self._adapter_dir, trainer_device="none", inference_device=device,
+                            trainer_shares=False, vllm=VLLMOptions(**self._vllm), log_dir=self._scratch / "logs")
+        serving = await inference_choice("vllm").start(ctx)
+        if self._adapter_dir is not None and serving.engine.adapter_step != self._step:
+            await serving.engine.load_adapter(self._adapter_dir, self._step)
+        return serving.engine
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[EngineOutput]:
         return await self.engine.generate(prompt_token_ids, params)
@@ -95,8 +142,15 @@ class EngineReplica:
         return {**await self.engine.health(), "node_id": ray.get_runtime_context().get_node_id()}
 
     async def logprobs_of(self, token_ids: list[int]) -> list[float]:
-        """Log-probabilities of ``token_ids[1:]`` under the adapter served now (to verify what a replica serves)."""
+        """Log-probabilities of ``token_ids[1:]`` under the adapter served now (to verify what a replica serves).
+
+        Raises:
+            EngineError: a vLLM replica (score through ``generate`` with ``logprobs`` instead).
+        """
         import torch
+
+        if self._kind != "transformers":
+            raise EngineError("logprobs_of needs a transformers replica; this one runs vLLM")
 
         def score() -> list[float]:
             model = self.engine.model
@@ -109,7 +163,8 @@ class EngineReplica:
         return await asyncio.to_thread(score)
 
     async def aclose(self) -> None:
-        await self.engine.aclose()
+        if self.engine is not None:
+            await self.engine.aclose()
 
     def _write(self, files: dict[str, bytes], step: int) -> Path:
         folder = self._scratch / f"step-{step:04d}"

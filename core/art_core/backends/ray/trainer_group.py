@@ -6,7 +6,8 @@
 Ranks run ``torch.distributed`` (gloo on CPU, nccl on GPU). Each holds the whole PEFT model; the step's
 gradient is summed over ranks once per step (``training/distributed.py`` says why not the DDP wrapper),
 so the ranks' adapters stay identical and equal to what one process would train, up to float
-reduction order. Sharding a base model too large for one device (FSDP2) is not implemented.
+reduction order. With ``sharding="fsdp"`` (or ``"auto"`` and a base over half a GPU) FSDP2 shards the
+frozen base over the ranks; the adapter stays whole on each (``training/distributed.py``: ``shard_policy``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ...types import TrajectoryGroup
 
 __all__ = ["TrainerGroup", "TrainerRank", "merge_rank_metrics"]
 
+_SHARDINGS = ("none", "fsdp", "auto")
 # Metrics each rank reports as its part of a whole-step value (trainer.py divides by the step's totals).
 _SUMMED = ("loss", "entropy", "ratio_mean", "clip_fraction", "kl", "is_weight_mean", "is_truncated_fraction",
            "forward_tokens", "micro_batches", "samples_rerendered")
@@ -47,21 +49,31 @@ class TrainerRank:
                  checkpoint: dict[str, bytes] | None, num_threads: int | None = None) -> None:
         import torch
 
-        from ...models import resolve_base_model
-        from ...training.trainer import GRPOTrainer, load_policy
-
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.rank, self.world_size = rank, world_size
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self._base_dir, self._lora, self._checkpoint = base_dir, lora, checkpoint
         self._scratch = Path(tempfile.mkdtemp(prefix=f"art-rank{rank}-"))
-        resume = _write(self._scratch / "resume", checkpoint) if checkpoint else None
-        policy, tokenizer = load_policy(resolve_base_model(base_dir), LoraSettings.model_validate(lora), device=self.device,
-                                        adapter_dir=resume)
-        self.trainer = GRPOTrainer(policy, tokenizer)
+        self.sharded = False
+
+    def _load(self, sharded: bool) -> None:
+        """Load the policy: whole on this rank's device, or on the CPU and then sharded with FSDP2."""
+        from ...models import resolve_base_model
+        from ...training.distributed import shard_policy
+        from ...training.trainer import GRPOTrainer, load_policy
+
+        resume = _write(self._scratch / "resume", self._checkpoint) if self._checkpoint else None
+        policy, tokenizer = load_policy(resolve_base_model(self._base_dir), LoraSettings.model_validate(self._lora),
+                                        device="cpu" if sharded else self.device, adapter_dir=resume)
+        if sharded:
+            shard_policy(policy)  # FSDP2 moves its shards to the device; a shared prefix would be a pass of its own
+        self.sharded = sharded
+        self.trainer = GRPOTrainer(policy, tokenizer, share_prefix=not sharded)
         if resume is not None:
             self.trainer.load_optimizer_state(resume)
         self._names = [name for name, p in policy.named_parameters() if p.requires_grad]
+        self._checkpoint = None  # loaded: the bytes are not needed any more
 
     def rendezvous(self) -> tuple[str, int]:
         """An address and free port on this node for the group's rendezvous (asked of rank 0)."""
@@ -72,26 +84,35 @@ class TrainerRank:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def join(self, address: str, port: int, timeout_s: float) -> None:
-        """Join the process group, then take rank 0's adapter so every rank starts from the same weights."""
+    def join(self, address: str, port: int, timeout_s: float, sharding: str = "none") -> bool:
+        """Join the process group, load the policy (sharded or not: the ranks agree), then take rank 0's
+        adapter so every rank starts from the same weights. Returns whether the base is sharded."""
         import torch
         import torch.distributed as dist
 
         backend = "nccl" if self.device == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
                                 world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
+        wish = sharding == "fsdp" or (sharding == "auto" and self.world_size > 1 and _too_big_for_device(
+            self._base_dir, self.device))
+        vote = torch.tensor([int(wish)], device=self.device)
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX)  # one rank whose device is too small shards them all
+        self._load(bool(vote.item()))
         with torch.no_grad():  # a fresh LoRA A is random per process
             for p in self.trainer.params:
                 dist.broadcast(p.data, src=0)
+        return self.sharded
 
     def train(self, groups: list[dict[str, Any]], config: dict[str, Any], *,
               return_gradients: bool = False, return_checkpoint: bool = False) -> dict[str, Any]:
         """One step on this rank's share; returns its metrics (and the checkpoint files, the gradients if asked)."""
         import warnings
 
-        from ...training.distributed import TorchDistributedSync
+        from ...training.distributed import ShardedSync, TorchDistributedSync
 
-        sync = _RecordingSync(TorchDistributedSync(), record=return_gradients)
+        inner = (ShardedSync(self.trainer.model, reference_pass=config.get("beta", 0) > 0) if self.sharded
+                 else TorchDistributedSync())
+        sync = _RecordingSync(inner, record=return_gradients)
         with warnings.catch_warnings(record=True) as caught:  # the driver warns once, for the whole step
             warnings.simplefilter("always")
             metrics = self.trainer.train_step([TrajectoryGroup.model_validate(g) for g in groups],
@@ -129,6 +150,10 @@ class _RecordingSync:
     def sum(self, values: list[float]) -> list[float]:
         return self.inner.sum(values)  # type: ignore[no-any-return]
 
+    def planned(self, micro_batches: int) -> None:
+        if hasattr(self.inner, "planned"):  # a sharded group agrees on its pass count
+            self.inner.planned(micro_batches)
+
     def gradients(self, params: Sequence[Any]) -> None:
         self.inner.gradients(params)
         if self.record:
@@ -141,24 +166,33 @@ class TrainerGroup:
     Attributes:
         ranks: the actor handles, rank 0 first.
         placement_group: the Ray placement group holding them.
+        sharded: whether FSDP2 shards the base model over the ranks.
     """
 
     def __init__(self, ranks: list[Any], placement_group: Any) -> None:
         self.ranks = ranks
         self.placement_group = placement_group
+        self.sharded = False
+        """Whether the ranks shard the base model with FSDP2."""
 
     @classmethod
     async def start(cls, *, workers: int, base_dir: str, lora: LoraSettings, checkpoint: dict[str, bytes] | None,
                     num_threads: int | None, gpus_per_rank: float, cpus_per_rank: float,
                     extra: dict[str, float] | None = None, strategy: str = "PACK",
-                    timeout_s: float = 600) -> TrainerGroup:
-        """Reserve one bundle per rank, start the ranks, and join them into one process group."""
+                    timeout_s: float = 600, sharding: str = "auto") -> TrainerGroup:
+        """Reserve one bundle per rank, start the ranks, and join them into one process group.
+
+        ``sharding``: ``"none"`` (each rank holds the whole model), ``"fsdp"`` (FSDP2 shards the frozen
+        base over the ranks) or ``"auto"`` (FSDP2 when the base's weights take more than half of one GPU).
+        """
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if workers < 1:
             raise ConfigError(f"trainer_workers must be at least 1, got {workers}")
+        if sharding not in _SHARDINGS:
+            raise ConfigError(f"sharding={sharding!r} is not one of {', '.join(map(repr, _SHARDINGS))}")
         bundle = {"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {}), **(extra or {})}
         pg = placement_group([dict(bundle) for _ in range(workers)], strategy=strategy)
         try:
@@ -175,8 +209,10 @@ class TrainerGroup:
                                         checkpoint=checkpoint, num_threads=num_threads)
                  for i in range(workers)]
         address, port = await ranks[0].rendezvous.remote()
-        await asyncio.gather(*(r.join.remote(address, port, timeout_s) for r in ranks))
-        return cls(ranks, pg)
+        sharded = await asyncio.gather(*(r.join.remote(address, port, timeout_s, sharding) for r in ranks))
+        group = cls(ranks, pg)
+        group.sharded = bool(sharded[0])
+        return group
 
     async def adapter(self) -> dict[str, bytes]:
         """Rank 0's adapter files (every rank holds the same)."""
@@ -195,7 +231,8 @@ class TrainerGroup:
                 (checked here, before any rank starts: a rank failing alone would leave the others waiting).
         """
         _check_groups(groups, config)
-        shares = split_groups_by_tokens(groups, len(self.ranks))
+        # Sharded ranks run without prefix sharing (ShardedSync), so the shared prompts then count in full.
+        shares = split_groups_by_tokens(groups, len(self.ranks), share_prefix=config.share_prefix and not self.sharded)
         config_data = config.model_dump(mode="json")
         replies = await asyncio.gather(*(
             rank.train.remote([groups[i].model_dump(mode="json") for i in share], config_data,
@@ -255,6 +292,20 @@ def _check_groups(groups: Sequence[TrajectoryGroup], config: TrainConfig) -> Non
                     raise TrajectoryError(
                         f"trajectory {t.id!r} (group {i}) has a call of {length} tokens, over "
                         f"max_sequence_length={config.max_sequence_length}; raise the limit or shorten the rollout")
+
+
+def _too_big_for_device(base_dir: str, device: str) -> bool:
+    """Whether the base model's weight files take more than half of one GPU's memory (never on the CPU,
+    where the ranks of a node share its memory and sharding would not give any of them more)."""
+    import torch
+
+    from ...models import resolve_base_model
+
+    if device != "cuda":
+        return False
+    folder = resolve_base_model(base_dir)
+    weights = sum(p.stat().st_size for p in Path(folder).glob("*") if p.suffix in (".safetensors", ".bin"))
+    return weights > 0.5 * torch.cuda.get_device_properties(0).total_memory
 
 
 def _write(folder: Path, files: dict[str, bytes]) -> Path:
