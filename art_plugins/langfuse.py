@@ -22,7 +22,10 @@ What goes where (names as they appear in Langfuse):
   ``rollout_id``, ``adapter_step`` (the checkpoint that served it), ``request_id`` (the gateway record),
   ``prompt_tokens`` and ``completion_tokens``, and the same counts as its usage. They come from the
   gateway's response headers, read in the task that made the call while the framework's observation is the
-  current OpenTelemetry span.
+  current OpenTelemetry span; a live-streamed call's headers leave before any token is sampled, so its
+  completion count is read from the gateway's record of the call when its body has been read (still inside
+  the observation). In LangGraph's node and routing-function observations, the graph state's LangChain
+  messages are shown compactly, as Langfuse shows a generation's (role, content, tool calls).
 - **Scores** on each rollout trace: ``reward``; each custom reward component of ``score_group`` by its name;
   ``ruler`` with the judge's explanation as the comment. Sent when the rollout is scored and again when
   the step trains (same score ids: the final values replace the first ones, e.g. after RULER).
@@ -383,14 +386,13 @@ class RolloutTrace:
             span = otel_trace.get_current_span()
             attributes = getattr(span, "attributes", None) or {}
             if span.is_recording() and any(attributes.get(k) == v for k, v in _LLM_SPAN_MARKS):
-                for key, value in facts.items():
-                    span.set_attribute(f"{_METADATA}.{key}", json.dumps(value))
+                span.set_attributes({f"{_METADATA}.{key}": json.dumps(value) for key, value in facts.items()})
 
                 def write(count: int | None) -> None:
-                    span.set_attribute(LangfuseOtelSpanAttributes.OBSERVATION_USAGE_DETAILS,
-                                       json.dumps(_usage(prompt, count)))
+                    written = {LangfuseOtelSpanAttributes.OBSERVATION_USAGE_DETAILS: json.dumps(_usage(prompt, count))}
                     if count is not None:
-                        span.set_attribute(f"{_METADATA}.completion_tokens", json.dumps(count))
+                        written[f"{_METADATA}.completion_tokens"] = json.dumps(count)
+                    span.set_attributes(written)
             else:
                 # No framework observation around the call (a client outside the instrumented frameworks):
                 # record the call as a generation of its own under the rollout.
