@@ -303,6 +303,8 @@ async def test_agents_run_streamed_is_traced(model: TrainableModel, receiver: Re
     assert "raw_response_event" in kinds  # token deltas arrived as events
     result, trajectory = await streamed.wait()
     assert result.final_output == "Son 4." and len(trajectory.additional_histories) == 1
+    records = model.rollout_records(trajectory.metadata["rollout_id"])
+    assert len(records) == 2 and all(r.request.get("stream") for r in records)  # live streams, both calls
     trace_id = trajectory.metadata["langfuse_trace_id"]
     assert trace_id == Langfuse.create_trace_id(seed=trajectory.id)
     assert await tracing.flush()
@@ -324,6 +326,8 @@ async def test_streamed_langgraph_calls_carry_completion_tokens(model: Trainable
     agent = trainable(react_graph(streaming=True), model, langfuse=tracing)
     trajectory = await agent.rollout({"messages": [("user", QUESTION)]})
     assert trajectory.messages[-1].text() == "3 + 4 = 7."
+    records = model.rollout_records(trajectory.metadata["rollout_id"])
+    assert len(records) == 2 and all(r.request.get("stream") for r in records)  # live streams, both calls
     assert await tracing.flush()
     trace_id = trajectory.metadata["langfuse_trace_id"]
     assert receiver.wait_for(lambda r: len(llm_spans(r.trace(trace_id))) == 2)
