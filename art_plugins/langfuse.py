@@ -22,7 +22,10 @@ What goes where (names as they appear in Langfuse):
   ``rollout_id``, ``adapter_step`` (the checkpoint that served it), ``request_id`` (the gateway record),
   ``prompt_tokens`` and ``completion_tokens``, and the same counts as its usage. They come from the
   gateway's response headers, read in the task that made the call while the framework's observation is the
-  current OpenTelemetry span.
+  current OpenTelemetry span; a live-streamed call's headers leave before any token is sampled, so its
+  completion count is read from the gateway's record of the call when its body has been read (still inside
+  the observation). In LangGraph's node and routing-function observations, the graph state's LangChain
+  messages are shown compactly, as Langfuse shows a generation's (role, content, tool calls).
 - **Scores** on each rollout trace: ``reward``; each custom reward component of ``score_group`` by its name;
   ``ruler`` with the judge's explanation as the comment. Sent when the rollout is scored and again when
   the step trains (same score ids: the final values replace the first ones, e.g. after RULER).
@@ -304,6 +307,9 @@ class RolloutTrace:
         self.tracing = tracing
         self.scope = scope
         self.input = input
+        self.outlives_scope = False
+        """Set for a run whose task outlives the ``with`` that starts it (``run_streamed``): leaving the ``with``
+        then only detaches the trace's context (the task copied it), and ``close()`` ends the trace."""
         self.item = _dataset_item.get()
         # In a dataset run the trace is the one Langfuse's experiment runner opened for the item.
         self.trace_id = (tracing.client.get_current_trace_id() if self.item is not None else None) \
@@ -322,27 +328,37 @@ class RolloutTrace:
                 trace_name=None if self.item is not None else ROLLOUT_TRACE_NAME))
             self.root = self._stack.enter_context(client.start_as_current_observation(
                 trace_context=None if self.item is not None else {"trace_id": self.trace_id},
-                name=ROLLOUT_TRACE_NAME, as_type="agent", input=_plain(self.input), metadata=labels))
+                name=ROLLOUT_TRACE_NAME, as_type="agent", input=_plain(self.input), metadata=labels,
+                end_on_exit=not self.outlives_scope))
         except Exception as exc:  # tracing must never stop the rollout
             self.tracing.failures.note(f"rollout trace: {exc}")
         self.scope.route.on_response = self.on_response
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        self.scope.route.on_response = None
         try:
             self._stack.__exit__(*exc_info)
         except Exception as exc:
             self.tracing.failures.note(f"rollout trace: {exc}")
+        if not self.outlives_scope:
+            self.scope.route.on_response = None
+
+    def close(self) -> None:
+        """End a trace that outlived its scope (``outlives_scope``), once its run has ended; idempotent."""
+        self.scope.route.on_response = None
+        root, self.root = (self.root, None) if self.outlives_scope else (None, self.root)
+        if root is not None:
+            try:
+                root.end()
+            except Exception as exc:
+                self.tracing.failures.note(f"rollout trace: {exc}")
 
     def langchain_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """``config`` with Langfuse's LangChain ``CallbackHandler`` added, its runs nested under the rollout."""
-        from langfuse.langchain import CallbackHandler
-
         context = {"trace_id": self.trace_id}
         if self.root is not None:
             context["parent_span_id"] = self.root.id
-        handler = CallbackHandler(public_key=self.tracing.public_key, trace_context=context)  # type: ignore[arg-type]
+        handler = _compact_handler_type()(public_key=self.tracing.public_key, trace_context=context)
         # Inline, LangChain calls it in the task making the LLM call, so its generation is the current span
         # while the request is sent and ``on_response`` can write the gateway's answer onto it.
         handler.run_inline = True
@@ -361,28 +377,47 @@ class RolloutTrace:
             if step is None:
                 return
             prompt = int(headers.get(PROMPT_TOKENS_HEADER, 0))
-            # A live stream's headers leave before its tokens are sampled: no completion count then.
+            request_id = headers.get(REQUEST_ID_HEADER)
+            facts = {"rollout_id": self.scope.rollout_id, "adapter_step": int(step), "request_id": request_id,
+                     "prompt_tokens": prompt, "trainable": True}
+            # A live stream's headers leave before its tokens are sampled: its completion count is read from
+            # the gateway's record once the body has been read (the gateway records before the last chunk).
             completion = headers.get(COMPLETION_TOKENS_HEADER)
-            facts = {"rollout_id": self.scope.rollout_id, "adapter_step": int(step),
-                     "request_id": headers.get(REQUEST_ID_HEADER), "prompt_tokens": prompt, "trainable": True}
-            usage = {"input": prompt}
-            if completion is not None:
-                facts["completion_tokens"] = int(completion)
-                usage.update(output=int(completion), total=prompt + int(completion))
             span = otel_trace.get_current_span()
             attributes = getattr(span, "attributes", None) or {}
             if span.is_recording() and any(attributes.get(k) == v for k, v in _LLM_SPAN_MARKS):
-                for key, value in facts.items():
-                    span.set_attribute(f"{_METADATA}.{key}", json.dumps(value))
-                span.set_attribute(LangfuseOtelSpanAttributes.OBSERVATION_USAGE_DETAILS, json.dumps(usage))
-                return
-            # No framework observation around the call (a client outside the instrumented frameworks):
-            # record the call as a generation of its own under the rollout.
-            generation = self.tracing.client.start_observation(
-                trace_context={"trace_id": self.trace_id, **({"parent_span_id": self.root.id} if self.root else {})},
-                name="trainable-call", as_type="generation", model=self.scope.model.name, metadata=facts,
-                usage_details=usage)
-            generation.end()
+                span.set_attributes({f"{_METADATA}.{key}": json.dumps(value) for key, value in facts.items()})
+
+                def write(count: int | None) -> None:
+                    written = {LangfuseOtelSpanAttributes.OBSERVATION_USAGE_DETAILS: json.dumps(_usage(prompt, count))}
+                    if count is not None:
+                        written[f"{_METADATA}.completion_tokens"] = json.dumps(count)
+                    span.set_attributes(written)
+            else:
+                # No framework observation around the call (a client outside the instrumented frameworks):
+                # record the call as a generation of its own under the rollout.
+                parent = {"parent_span_id": self.root.id} if self.root else {}
+                generation = self.tracing.client.start_observation(
+                    trace_context={"trace_id": self.trace_id, **parent}, name="trainable-call", as_type="generation",
+                    model=self.scope.model.name, metadata=facts)
+
+                def write(count: int | None) -> None:
+                    generation.update(usage_details=_usage(prompt, count),
+                                      metadata=None if count is None else {"completion_tokens": count})
+                    generation.end()
+            if completion is not None:
+                write(int(completion))
+            elif not _on_body_end(response, lambda: self._written(write, request_id)):
+                self._written(write, request_id)  # the body was read already: the record is there
+        except Exception as exc:
+            self.tracing.failures.note(f"call observation: {exc}")
+
+    def _written(self, write: Callable[[int | None], None], request_id: str | None) -> None:
+        """``write`` the streamed call's completion count, from the gateway's record of ``request_id``."""
+        try:
+            records = self.scope.model.rollout_records(self.scope.rollout_id)
+            record = next((r for r in reversed(records) if r.request_id == request_id), None)
+            write(len(record.completion_token_ids) if record is not None else None)
         except Exception as exc:
             self.tracing.failures.note(f"call observation: {exc}")
 
@@ -400,6 +435,70 @@ class RolloutTrace:
         if self.item is None:
             self.tracing.send_scores(trajectory)
         return trajectory
+
+
+def _usage(prompt: int, completion: int | None) -> dict[str, int]:
+    """Langfuse's ``usage_details`` of a call: input, and output and total once the completion is counted."""
+    return {"input": prompt} if completion is None else {"input": prompt, "output": completion,
+                                                         "total": prompt + completion}
+
+
+_stream_types: dict[type, type] = {}
+
+
+def _on_body_end(response: Any, done: Callable[[], None]) -> bool:
+    """Call ``done()`` once, when ``response``'s body has been read to its end or closed.
+
+    The body stream (httpx's or httpx2's byte stream, sync or async) is wrapped in place; False when the body
+    was read already (nothing is left to wait for).
+    """
+    if getattr(response, "is_stream_consumed", False) or getattr(response, "is_closed", False):
+        return False
+    inner = response.stream
+    base = next((b for b in type(inner).__mro__ if b.__name__ in ("AsyncByteStream", "SyncByteStream")), None)
+    if base is None:
+        return False
+    wrapper = _stream_types.get(base)
+    if wrapper is None:
+        wrapper = _stream_types[base] = _body_end_stream(base)
+    response.stream = wrapper(inner, done)
+    return True
+
+
+def _body_end_stream(base: type) -> type:
+    """A subclass of ``base`` (a sync or async byte stream) that passes ``inner`` through and calls ``done`` once
+    at its end or close."""
+    def fire(self: Any) -> None:
+        done, self._done = self._done, None
+        if done is not None:
+            done()
+
+    def init(self: Any, inner: Any, done: Callable[[], None]) -> None:
+        self._inner, self._done = inner, done
+
+    if base.__name__ == "AsyncByteStream":
+        async def aiter(self: Any) -> Any:
+            async for chunk in self._inner:
+                yield chunk
+            fire(self)
+
+        async def aclose(self: Any) -> None:
+            try:
+                await self._inner.aclose()
+            finally:
+                fire(self)
+        return type("BodyEndStream", (base,), {"__init__": init, "__aiter__": aiter, "aclose": aclose})
+
+    def sync_iter(self: Any) -> Any:
+        yield from self._inner
+        fire(self)
+
+    def close(self: Any) -> None:
+        try:
+            self._inner.close()
+        finally:
+            fire(self)
+    return type("BodyEndStream", (base,), {"__init__": init, "__iter__": sync_iter, "close": close})
 
 
 def reward_scores(trajectory: Trajectory) -> list[tuple[str, float, str | None]]:
@@ -633,6 +732,74 @@ def _instrument_agents_sdk(tracer_provider: Any) -> None:
     instrumentor = OpenAIAgentsInstrumentor()
     if not instrumentor.is_instrumented_by_opentelemetry:
         instrumentor.instrument(tracer_provider=tracer_provider)
+
+
+_handler_type: type | None = None
+
+
+def _compact_handler_type() -> type:
+    """Langfuse's LangChain ``CallbackHandler``, with graph states' messages in the compact form of its generations.
+
+    A LangGraph node's or routing function's input is the whole graph state, and its output a state update:
+    the handler would hand their LangChain message objects to the SDK as they are, which walks each one's
+    full ``model_dump()`` (metadata, usage, ids) twice per observation (media scan, then JSON) on the agent's
+    own task. The messages are shown as the handler shows a generation's: role, content, tool calls, tool
+    call id, name. Each message is converted once per rollout (a state repeats the earlier ones); anything
+    else in the state is passed on unchanged.
+    """
+    global _handler_type
+    if _handler_type is None:
+        from langchain_core.messages import BaseMessage
+        from langfuse.langchain import CallbackHandler
+
+        class CompactStateHandler(CallbackHandler):  # type: ignore[misc]
+            def __init__(self, **kwargs: Any) -> None:
+                super().__init__(**kwargs)
+                self._compacted: dict[int, tuple[Any, dict[str, Any]]] = {}  # id(message) -> (message, dict)
+
+            def on_chain_start(self, serialized: Any, inputs: Any, **kwargs: Any) -> Any:
+                return super().on_chain_start(serialized, self._compact(inputs), **kwargs)
+
+            def on_chain_end(self, outputs: Any, **kwargs: Any) -> Any:
+                if "inputs" in kwargs:
+                    kwargs["inputs"] = self._compact(kwargs["inputs"])
+                return super().on_chain_end(self._compact(outputs), **kwargs)
+
+            def _compact(self, value: Any) -> Any:
+                if isinstance(value, dict):
+                    return {key: self._compact_item(item) for key, item in value.items()}
+                return self._compact_item(value)
+
+            def _compact_item(self, value: Any) -> Any:
+                if isinstance(value, list) and value and isinstance(value[0], BaseMessage):
+                    return [self._message(m) if isinstance(m, BaseMessage) else m for m in value]
+                return self._message(value) if isinstance(value, BaseMessage) else value
+
+            def _message(self, message: Any) -> dict[str, Any]:
+                cached = self._compacted.get(id(message))
+                if cached is not None and cached[0] is message:
+                    return cached[1]
+                converted = _message_dict(message)
+                self._compacted[id(message)] = (message, converted)  # the message is kept: its id stays unique
+                return converted
+
+        _handler_type = CompactStateHandler
+    return _handler_type
+
+
+_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "function"}
+
+
+def _message_dict(message: Any) -> dict[str, Any]:
+    """A LangChain message as ``{"role", "content"}`` plus its tool calls, tool call id and name when set."""
+    kind = message.type
+    role = getattr(message, "role", None) if kind == "chat" else _ROLES.get(kind, kind)
+    converted: dict[str, Any] = {"role": role, "content": message.content}
+    for key in ("tool_calls", "invalid_tool_calls", "tool_call_id", "name"):
+        value = getattr(message, key, None)
+        if value:
+            converted[key] = value
+    return converted
 
 
 def _task_text(value: Any, limit: int = 200) -> str:

@@ -150,7 +150,8 @@ class TrainableRunner:
         langfuse: True (keys from ``LANGFUSE_*``), a ``langfuse.Langfuse`` client or an
             ``art_plugins.langfuse.LangfuseTracing``: each ``run`` (and each run of ``group``) becomes a Langfuse
             trace with the SDK's structure, rewards scores, steps traces (see ``art_plugins.langfuse``; those
-            runs are traced, whatever ``tracing`` says). ``run_streamed`` is not sent. Default: off.
+            runs are traced, whatever ``tracing`` says); ``run_streamed`` too, its trace ending with its
+            events. Default: off.
 
     Raises:
         ConfigError: an argument is invalid (the message says which).
@@ -255,6 +256,9 @@ class TrainableRunner:
         """
         _check_agent(starting_agent)
         capture = self.capture(rollout_id=rollout_id, agent=starting_agent, run_config=run_config)
+        trace = capture.scope.trace = langfuse_trace(self.langfuse, capture.scope, input)  # None when off
+        if trace is not None:
+            trace.outlives_scope = True  # the run's task carries the trace on; the stream's end closes it
         capture._hold()
         try:
             # The SDK starts the run in a task of its own, which copies the current context: the route set
@@ -265,6 +269,8 @@ class TrainableRunner:
                                              run_config=config, error_handlers=handlers, session=session)
         except BaseException:
             capture._held.close()
+            if trace is not None:
+                trace.close()
             raise
         return StreamedRun(capture, result, reward, timeout=self.timeout)
 
@@ -392,8 +398,10 @@ class AgentCapture:
             self._held.enter_context(wrappers_installed())
 
     async def _aclose(self) -> None:
-        """Release the routing hold and close the run's gateway clients."""
+        """Release the routing hold, end the run's Langfuse trace and close the run's gateway clients."""
         self._held.close()
+        if self.scope.trace is not None:
+            self.scope.trace.close()
         await self._close_providers()
 
     # --- helpers ---
@@ -555,7 +563,7 @@ class StreamedRun:
             trajectory = self._capture.trajectory(
                 final_output=final_output, last_agent=result.last_agent, error=error,
                 stop_reason="cancelled" if cancelled else None)
-            self._trajectory = await score(trajectory, self._reward)
+            self._trajectory = self._capture.scope.scored(await score(trajectory, self._reward))
         except BaseException as exc:
             self._failure = exc
             raise

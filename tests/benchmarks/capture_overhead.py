@@ -12,6 +12,10 @@ A third side runs the same graph wrapped with Langfuse on (``trainable(..., lang
 its per-call cost is the rollout trace, the LangChain callback handler's observations, the gateway facts
 written onto each LLM observation, and the SDK's background export competing for the same CPU.
 
+A fourth side runs the wrapped graph with a LangChain callback handler that does nothing: what LangChain
+and LangGraph's callback machinery alone costs per call once any handler is attached (run managers, one
+callback per node, routing function and LLM call), the floor under Langfuse's ``CallbackHandler``.
+
 Also printed: the cost of the routing decision alone (``Route.rewrite`` on a typical request), in process.
 
     python tests/benchmarks/capture_overhead.py [--runs 30] [--calls 10]
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
 import torch
+from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import AnyMessage
 from langchain_openai import ChatOpenAI
 from langgraph.graph import END, START, StateGraph
@@ -46,6 +51,12 @@ from art_plugins.langgraph import trainable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the Langfuse stand-in
 from langfuse_receiver import Receiver  # noqa: E402
+
+
+class NoopHandler(BaseCallbackHandler):
+    """A LangChain callback handler that does nothing, called inline (as the Langfuse layer's handler is)."""
+
+    run_inline = True
 
 
 class State(TypedDict):
@@ -135,14 +146,20 @@ async def main(runs: int, calls: int) -> dict[str, float]:
                 assert trajectory.metadata["langfuse_trace_id"]
                 return elapsed
 
-            sides = [run_direct, run_wrapped, run_traced]
+            async def run_callbacks() -> float:
+                started = time.perf_counter()
+                await wrapped.rollout(state, config={"callbacks": [NoopHandler()]})
+                return time.perf_counter() - started
+
+            sides = [run_direct, run_wrapped, run_traced, run_callbacks]
             for _ in range(3):  # warm up every path (clients, template cache, allocator, the SDK's threads)
                 for side in sides:
                     await side()
             direct_ms, wrapped_ms, overhead_ms, traced_ms, traced_overhead_ms = [], [], [], [], []
+            callbacks_overhead_ms = []
             for i in range(runs):
                 # Rotate which side goes first, so none always follows another.
-                order = sides[i % 3:] + sides[: i % 3]
+                order = sides[i % len(sides):] + sides[: i % len(sides)]
                 took = {side: await side() for side in order}
                 d, w, t = took[run_direct], took[run_wrapped], took[run_traced]
                 direct_ms.append(d / calls * 1e3)
@@ -150,6 +167,7 @@ async def main(runs: int, calls: int) -> dict[str, float]:
                 overhead_ms.append((w - d) / calls * 1e3)
                 traced_ms.append(t / calls * 1e3)
                 traced_overhead_ms.append((t - d) / calls * 1e3)
+                callbacks_overhead_ms.append((took[run_callbacks] - d) / calls * 1e3)
             await tracing.flush()
             spans_received = len(receiver.spans)
             await tracing.aclose()
@@ -166,6 +184,7 @@ async def main(runs: int, calls: int) -> dict[str, float]:
         "overhead_ms_median_langfuse": round(statistics.median(traced_overhead_ms), 3),
         "overhead_ms_p90_langfuse": round(statistics.quantiles(traced_overhead_ms, n=10)[-1], 3),
         "langfuse_spans_received": spans_received,
+        "overhead_ms_median_noop_callbacks": round(statistics.median(callbacks_overhead_ms), 3),
     }
     return figures
 
@@ -183,5 +202,7 @@ if __name__ == "__main__":
     print(f"with Langfuse on: {figures['langfuse_ms_per_call_median']} ms/call, overhead median "
           f"{figures['overhead_ms_median_langfuse']} ms (p90 {figures['overhead_ms_p90_langfuse']}); goal <= 2 ms; "
           f"{figures['langfuse_spans_received']} spans reached the receiver")
+    print(f"adapter + a do-nothing LangChain callback handler (the callback machinery's floor): overhead median "
+          f"{figures['overhead_ms_median_noop_callbacks']} ms per call")
     print(f"routing decision alone: {figures['route_rewrite_us']} us per request")
     print(json.dumps(figures))

@@ -53,9 +53,9 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-def react_graph() -> Any:
+def react_graph(*, streaming: bool = False) -> Any:
     llm = ChatOpenAI(model=MODEL, base_url=f"http://127.0.0.1:9/{uuid.uuid4().hex[:8]}/v1", api_key="unused",
-                     temperature=0.0, max_tokens=48)
+                     temperature=0.0, max_tokens=48, streaming=streaming)
     return create_react_agent(llm, [add], prompt=SYSTEM)
 
 
@@ -291,6 +291,47 @@ async def test_agents_group_with_handoff(model: TrainableModel, receiver: Receiv
         assert scores["answered"]["value"] == trajectory.metrics["answered"] == 1.0
         assert scores["ruler"]["value"] == pytest.approx(trajectory.metrics["ruler_score"])
         assert scores["ruler"]["comment"].startswith("RULER (openai/agent")
+
+
+async def test_agents_run_streamed_is_traced(model: TrainableModel, receiver: Receiver, tracing: LangfuseTracing):
+    # run_streamed: one trace per run like run, closed when the events end; its calls are live streams, whose
+    # response headers leave before any token is sampled, yet each generation carries its completion count.
+    runner = TrainableRunner(model, langfuse=tracing)
+    step = model.step
+    streamed = runner.run_streamed(spanish_desk(), "¿Cuánto es 2 + 2?", reward=lambda t, output: 1.0)
+    kinds = [event.type async for event in streamed.stream_events()]
+    assert "raw_response_event" in kinds  # token deltas arrived as events
+    result, trajectory = await streamed.wait()
+    assert result.final_output == "Son 4." and len(trajectory.additional_histories) == 1
+    records = model.rollout_records(trajectory.metadata["rollout_id"])
+    assert len(records) == 2 and all(r.request.get("stream") for r in records)  # live streams, both calls
+    trace_id = trajectory.metadata["langfuse_trace_id"]
+    assert trace_id == Langfuse.create_trace_id(seed=trajectory.id)
+    assert await tracing.flush()
+    assert receiver.wait_for(lambda r: "reward" in r.scores_for(trace_id))
+    assert receiver.scores_for(trace_id)["reward"]["value"] == 1.0
+    spans = receiver.trace(trace_id)
+    by_id = {s.span_id: s for s in spans}
+    (root,) = [s for s in spans if s.name == "rollout"]
+    assert root.trace_metadata("framework") == "openai-agents" and root.attributes["session.id"] == "langfuse/agent"
+    assert any(s.name == "Agent workflow" and s.parent_id == root.span_id for s in spans)
+    assert all(root in ancestors(s, by_id) for s in spans if s is not root)
+    assert len(llm_spans(spans)) == 2
+    assert_calls_carry_the_gateway_facts(step, trajectory, spans)
+
+
+async def test_streamed_langgraph_calls_carry_completion_tokens(model: TrainableModel, receiver: Receiver,
+                                                                tracing: LangfuseTracing):
+    # ChatOpenAI(streaming=True): the redirected client reads a live stream; the count comes from the record.
+    agent = trainable(react_graph(streaming=True), model, langfuse=tracing)
+    trajectory = await agent.rollout({"messages": [("user", QUESTION)]})
+    assert trajectory.messages[-1].text() == "3 + 4 = 7."
+    records = model.rollout_records(trajectory.metadata["rollout_id"])
+    assert len(records) == 2 and all(r.request.get("stream") for r in records)  # live streams, both calls
+    assert await tracing.flush()
+    trace_id = trajectory.metadata["langfuse_trace_id"]
+    assert receiver.wait_for(lambda r: len(llm_spans(r.trace(trace_id))) == 2)
+    assert_calls_carry_the_gateway_facts(model.step, trajectory, receiver.trace(trace_id))
 
 
 async def test_dataset_runs_before_and_after_training(model: TrainableModel, receiver: Receiver,
