@@ -142,3 +142,34 @@ def test_chunked_token_logprobs_gradient_matches_autograd():
         assert "LM head" in str(exc)
     else:
         raise AssertionError("a trainable head must be refused")
+
+
+def test_native_gqa_attention_changes_nothing_but_memory(tiny_model_dir):
+    """Within ``native_gqa_attention`` the tiny Qwen2 (2 query heads per K/V head) gives the logits and LoRA
+    gradients of transformers' own SDPA path, with padding in the batch; the model's setting is restored."""
+    from art_core.training.forward import native_gqa_attention
+
+    torch.manual_seed(0)
+    model, _ = load_policy(tiny_model_dir, LoraSettings(), device="cpu")
+    for p in model.parameters():
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.05)
+    assert model.config._attn_implementation == "sdpa" and model.config.num_key_value_heads < model.config.num_attention_heads
+    ids = torch.randint(10, 1000, (3, 17), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0  # a padded row: transformers passes a mask, and repeats K/V without the switch
+    runs = []
+    for native in (False, True):
+        model.zero_grad(set_to_none=True)
+        if native:
+            with native_gqa_attention(model):
+                logits = model(input_ids=ids, attention_mask=mask).logits
+        else:
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        (logits[mask > 0].float().logsumexp(-1).sum()).backward()
+        runs.append((logits.detach(), _grads(model)))
+    assert model.config._attn_implementation == "sdpa"
+    (plain, g_plain), (native, g_native) = runs
+    torch.testing.assert_close(native[mask > 0], plain[mask > 0], atol=1e-6, rtol=0)
+    for name in g_plain:
+        torch.testing.assert_close(g_native[name], g_plain[name], atol=1e-6, rtol=1e-5)

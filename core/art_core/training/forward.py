@@ -11,14 +11,24 @@ prompt is long, and the memory held at any time is one prefix graph plus one mic
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from .batching import MicroBatch
 
-__all__ = ["ChunkedTokenLogprobs", "SharedPrefix", "TokenLogprobs", "chunked_token_logprobs", "micro_batch_logprobs"]
+__all__ = [
+    "ChunkedTokenLogprobs",
+    "SharedPrefix",
+    "TokenLogprobs",
+    "chunked_token_logprobs",
+    "micro_batch_logprobs",
+    "native_gqa_attention",
+]
 
 LOGPROB_CHUNK = 256  # trained positions per LM-head chunk: 256 x 49k vocab x fp32 = 48 MiB per temporary
 
@@ -41,7 +51,7 @@ class SharedPrefix:
     def __init__(self, model: torch.nn.Module, prefix_ids: list[int], *, grad: bool) -> None:
         self.length = len(prefix_ids)
         ids = torch.tensor([prefix_ids], device=_device(model))
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), native_gqa_attention(model):
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
         self._grad = grad
         self._outputs: list[torch.Tensor] = [out.logits[0, -1]]  # [V]
@@ -115,12 +125,14 @@ def micro_batch_logprobs(
     targets = ids[rows, cols + 1]  # [N]
 
     if head is None:  # a head with extras (bias, scaling, soft-capping): take the model's own logits
-        logits = model(input_ids=ids, **kwargs).logits  # [B, T, V]
+        with native_gqa_attention(model):
+            logits = model(input_ids=ids, **kwargs).logits  # [B, T, V]
         picked = logits[rows, cols]  # [N, V]
         rest = _selected_logprobs(picked, targets)  # [N]
         rest_entropy = _entropy(picked.detach()) if with_entropy else None
     else:
-        hidden = _decoder(model)(input_ids=ids, **kwargs).last_hidden_state  # [B, T, H]
+        with native_gqa_attention(model):
+            hidden = _decoder(model)(input_ids=ids, **kwargs).last_hidden_state  # [B, T, H]
         rest, rest_entropy = chunked_token_logprobs(hidden[rows, cols], head.weight, targets,
                                                     chunk_size=chunk_size, with_entropy=with_entropy)
 
@@ -205,6 +217,66 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         (grad_rows,) = ctx.saved_tensors
         grad_hidden = grad_rows * grad_logprobs[:, None] if grad_rows is not None else None
         return grad_hidden, None, None, None, None
+
+
+_GQA_SDPA = "art_sdpa_native_gqa"
+
+
+@contextmanager
+def native_gqa_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, a model using transformers' ``"sdpa"`` attention keeps grouped-query K/V un-repeated.
+
+    transformers' SDPA path copies each layer's keys and values once per query group (``repeat_kv``) whenever
+    an attention mask is given, which a training forward always has (padding, or a shared prefix's cache).
+    Those copies are kept for the backward pass: for SmolLM2 (3 K/V heads, 9 query heads) they are a fifth
+    of a micro-batch's activation memory. ``scaled_dot_product_attention(enable_gqa=True)`` reads the groups
+    in place: the same result (bit for bit on CPU; tests/training/test_forward.py), less memory and time.
+
+    The attention function is registered once, under its own name, in transformers' attention tables
+    (additive: no existing entry changes); the model's ``_attn_implementation`` is switched to it for the
+    block and restored after. Any other implementation (eager, flash, ...) is left alone.
+    """
+    config = getattr(model, "config", None)
+    previous = getattr(config, "_attn_implementation", None)
+    if previous != "sdpa":
+        yield
+        return
+    _register_native_gqa()
+    config._attn_implementation = _GQA_SDPA
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+def _register_native_gqa() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    if _GQA_SDPA not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        AttentionInterface.register(_GQA_SDPA, _sdpa_native_gqa)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(_GQA_SDPA, sdpa_mask)  # the masks "sdpa" gets
+
+
+def _sdpa_native_gqa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, with grouped K/V heads passed to the kernel as they are (``enable_gqa``)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q_length = query.shape[2]
+    plain = all(kwargs.get(name) is None for name in ("softcap", "position_bias", "cache")) \
+        and not kwargs.get("output_attentions", False)
+    if getattr(module, "num_key_value_groups", 1) <= 1 or q_length == 1 or not plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = attention_mask is None and is_causal
+    if is_causal and key.shape[2] > q_length:  # as transformers does: causal without a mask means no cache
+        key, value = key[:, :, :q_length], value[:, :, :q_length]
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                                           scale=scaling, is_causal=is_causal, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
