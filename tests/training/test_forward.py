@@ -154,7 +154,8 @@ def test_native_gqa_attention_changes_nothing_but_memory(tiny_model_dir):
     for p in model.parameters():
         if p.requires_grad:
             torch.nn.init.normal_(p, std=0.05)
-    assert model.config._attn_implementation == "sdpa" and model.config.num_key_value_heads < model.config.num_attention_heads
+    config = model.config
+    assert config._attn_implementation == "sdpa" and config.num_key_value_heads < config.num_attention_heads
     ids = torch.randint(10, 1000, (3, 17), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)
     mask[1, 12:] = 0  # a padded row: transformers passes a mask, and repeats K/V without the switch

@@ -274,8 +274,9 @@ def _sdpa_native_gqa(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     is_causal = attention_mask is None and is_causal
     if is_causal and key.shape[2] > q_length:  # as transformers does: causal without a mask means no cache
         key, value = key[:, :, :q_length], value[:, :, :q_length]
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                                           scale=scaling, is_causal=is_causal, enable_gqa=True)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal,
+        enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
 
 
