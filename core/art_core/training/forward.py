@@ -95,7 +95,8 @@ def micro_batch_logprobs(
     For a plain LM head (a frozen linear layer without bias or logit scaling, as every Llama/Qwen-style
     model here), the head and the log-softmax run on chunks of ``chunk_size`` trained positions
     (``ChunkedTokenLogprobs``): no ``[B, T, vocab]`` tensor is ever built, nor kept for the backward
-    pass. Any other head falls back to the full logits (same values, more memory).
+    pass. Any other head, or a model sharded with FSDP2 (whose root unit gathers the head only in the whole
+    model's forward), falls back to the full logits (same values, more memory).
 
     Args:
         model: the causal LM.
@@ -287,9 +288,19 @@ def _plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     extras = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
     if (type(head) is not torch.nn.Linear or head.bias is not None or head.weight.requires_grad
             or any(getattr(config, name, None) not in (None, 1, 1.0) for name in extras)
-            or not hasattr(_decoder(model), "forward")):
+            or not hasattr(_decoder(model), "forward") or _sharded(model)):
         return None
     return head
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 shards the model: its root unit gathers the head only in the whole model's forward."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return False
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return isinstance(base, FSDPModule) or isinstance(model, FSDPModule)
 
 
 def _decoder(model: torch.nn.Module) -> torch.nn.Module | None:
