@@ -78,3 +78,99 @@ def test_trainer_step_is_the_same_with_and_without_prefix_sharing(tiny_model_dir
     assert abs(m_shared["loss"] - m_full["loss"]) < 1e-6
     for name in w_full:
         torch.testing.assert_close(w_shared[name], w_full[name], atol=1e-6, rtol=1e-5)
+
+
+def test_chunked_head_equals_full_logits(tiny_model_dir):
+    """The LM head + log-softmax on chunks of trained positions gives the full [B, T, V] logits' log-probs,
+    entropies and LoRA gradients (fp32, within 1e-6), with and without a shared prefix, in several chunks."""
+    torch.manual_seed(0)
+    model, _ = load_policy(tiny_model_dir, LoraSettings(), device="cpu")
+    for p in model.parameters():
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.05)
+    samples = [s for t in _group(4, prompt_len=20, completions=(9, 4, 12, 6)) for s in trajectory_samples(t)]
+    for share in (True, False):
+        (pg,) = plan_micro_batches([samples], token_budget=4096, share_prefix=share)
+        (mb,) = pg.micro_batches
+        g = torch.linspace(-1.0, 1.0, mb.input_ids.shape[1])  # a different upstream gradient per position
+
+        model.zero_grad(set_to_none=True)
+        prefix = SharedPrefix(model, pg.prefix_ids, grad=True) if pg.prefix_ids else None
+        out = micro_batch_logprobs(model, mb, prefix, with_entropy=True, chunk_size=5)
+        (out.logprobs * mb.trained * g).sum().backward()
+        if prefix:
+            prefix.backward()
+        g_chunked = _grads(model)
+
+        model.zero_grad(set_to_none=True)
+        prefix = SharedPrefix(model, pg.prefix_ids, grad=True) if pg.prefix_ids else None
+        full = micro_batch_logprobs(model, mb, prefix, with_entropy=True, chunk_size=None)  # the [B, T, V] logits
+        (full.logprobs * mb.trained * g).sum().backward()
+        if prefix:
+            prefix.backward()
+        g_full = _grads(model)
+
+        assert (out.logprobs[mb.trained == 0] == 0).all()
+        assert mb.trained.sum() > 12 and (mb.trained == 0).any()  # several chunks, and untrained positions
+        torch.testing.assert_close(out.logprobs.detach(), full.logprobs.detach(), atol=1e-6, rtol=0)
+        torch.testing.assert_close(out.entropy, full.entropy, atol=0, rtol=1e-5)  # a stat: a 49k-term fp32 sum
+        assert g_full.keys() == g_chunked.keys() and g_full
+        for name in g_full:
+            torch.testing.assert_close(g_chunked[name], g_full[name], atol=1e-6, rtol=1e-5)  # summation order
+
+
+def test_chunked_token_logprobs_gradient_matches_autograd():
+    """``d logp / d h`` computed in the forward pass equals autograd's through log_softmax (float64)."""
+    from art_core.training.forward import chunked_token_logprobs
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(11, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(50, 8, dtype=torch.float64, generator=gen)
+    targets = torch.randint(0, 50, (11,), generator=gen)
+    upstream = torch.randn(11, dtype=torch.float64, generator=gen)
+    lp, entropy = chunked_token_logprobs(hidden, weight, targets, chunk_size=4, with_entropy=True)
+    (grad,) = torch.autograd.grad((lp * upstream).sum(), hidden)
+    logp = torch.log_softmax(hidden @ weight.T, dim=-1)
+    ref = logp.gather(-1, targets[:, None])[:, 0]
+    (ref_grad,) = torch.autograd.grad((ref * upstream).sum(), hidden)
+    torch.testing.assert_close(lp, ref.detach(), atol=1e-12, rtol=0)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-12, rtol=0)
+    torch.testing.assert_close(entropy, -(logp.exp() * logp).sum(-1).detach(), atol=1e-12, rtol=0)
+    try:
+        chunked_token_logprobs(hidden, weight.requires_grad_(), targets)
+    except ValueError as exc:
+        assert "LM head" in str(exc)
+    else:
+        raise AssertionError("a trainable head must be refused")
+
+
+def test_native_gqa_attention_changes_nothing_but_memory(tiny_model_dir):
+    """Within ``native_gqa_attention`` the tiny Qwen2 (2 query heads per K/V head) gives the logits and LoRA
+    gradients of transformers' own SDPA path, with padding in the batch; the model's setting is restored."""
+    from art_core.training.forward import native_gqa_attention
+
+    torch.manual_seed(0)
+    model, _ = load_policy(tiny_model_dir, LoraSettings(), device="cpu")
+    for p in model.parameters():
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.05)
+    config = model.config
+    assert config._attn_implementation == "sdpa" and config.num_key_value_heads < config.num_attention_heads
+    ids = torch.randint(10, 1000, (3, 17), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0  # a padded row: transformers passes a mask, and repeats K/V without the switch
+    runs = []
+    for native in (False, True):
+        model.zero_grad(set_to_none=True)
+        if native:
+            with native_gqa_attention(model):
+                logits = model(input_ids=ids, attention_mask=mask).logits
+        else:
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        (logits[mask > 0].float().logsumexp(-1).sum()).backward()
+        runs.append((logits.detach(), _grads(model)))
+    assert model.config._attn_implementation == "sdpa"
+    (plain, g_plain), (native, g_native) = runs
+    torch.testing.assert_close(native[mask > 0], plain[mask > 0], atol=1e-6, rtol=0)
+    for name in g_plain:
+        torch.testing.assert_close(g_native[name], g_plain[name], atol=1e-6, rtol=1e-5)

@@ -11,19 +11,31 @@ prompt is long, and the memory held at any time is one prefix graph plus one mic
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from .batching import MicroBatch
 
-__all__ = ["SharedPrefix", "TokenLogprobs", "micro_batch_logprobs"]
+__all__ = [
+    "ChunkedTokenLogprobs",
+    "SharedPrefix",
+    "TokenLogprobs",
+    "chunked_token_logprobs",
+    "micro_batch_logprobs",
+    "native_gqa_attention",
+]
+
+LOGPROB_CHUNK = 256  # trained positions per LM-head chunk: 256 x 49k vocab x fp32 = 48 MiB per temporary
 
 
 @dataclass
 class TokenLogprobs:
-    logprobs: torch.Tensor  # [B, T]; position t holds log p(token t | tokens < t); 0 where nothing predicts it
+    logprobs: torch.Tensor  # [B, T]; position t holds log p(token t | tokens < t) where trained, else 0
     entropy: torch.Tensor | None  # [B, T] detached, only where trained (0 elsewhere); None when not asked
 
 
@@ -39,7 +51,7 @@ class SharedPrefix:
     def __init__(self, model: torch.nn.Module, prefix_ids: list[int], *, grad: bool) -> None:
         self.length = len(prefix_ids)
         ids = torch.tensor([prefix_ids], device=_device(model))
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), native_gqa_attention(model):
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
         self._grad = grad
         self._outputs: list[torch.Tensor] = [out.logits[0, -1]]  # [V]
@@ -75,51 +87,226 @@ def micro_batch_logprobs(
     prefix: SharedPrefix | None,
     *,
     with_entropy: bool = False,
+    chunk_size: int | None = LOGPROB_CHUNK,
 ) -> TokenLogprobs:
-    """Log-probabilities of a micro-batch's tokens under ``model``.
+    """Log-probabilities of a micro-batch's trained tokens under ``model``.
+
+    Only positions that carry a loss (``batch.trained``) get a log-prob; every other position holds 0.
+    For a plain LM head (a frozen linear layer without bias or logit scaling, as every Llama/Qwen-style
+    model here), the head and the log-softmax run on chunks of ``chunk_size`` trained positions
+    (``ChunkedTokenLogprobs``): no ``[B, T, vocab]`` tensor is ever built, nor kept for the backward
+    pass. Any other head, or a model sharded with FSDP2 (whose root unit gathers the head only in the whole
+    model's forward), falls back to the full logits (same values, more memory).
 
     Args:
         model: the causal LM.
         batch: suffixes of one prefix group (``batch.input_ids`` is [B, T]).
         prefix: the group's shared prefix, or None when the sequences start at position 0.
         with_entropy: also return the policy's entropy at trained positions (for monitoring).
+        chunk_size: trained positions per chunk of the LM head (bounds its memory to chunk x vocab); None takes
+            the model's full logits instead (the reference path, kept for heads the chunked one cannot run).
+
+    Returns:
+        ``TokenLogprobs``: ``logprobs`` [B, T] with a gradient, ``entropy`` [B, T] detached or None.
     """
     device = _device(model)
     ids = batch.input_ids.to(device)  # [B, T]
     attention = batch.attention_mask.to(device)  # [B, T]
     b, t = ids.shape
-    if prefix is None:
-        out = model(input_ids=ids, attention_mask=attention, use_cache=False)
-        logits = out.logits[:, :-1]  # [B, T-1, V] predicts tokens 1..T-1
-        first = None
-    else:
+    head = _plain_head(model) if chunk_size is not None else None
+    kwargs: dict[str, object] = {"attention_mask": attention, "use_cache": False}
+    if prefix is not None:
         p = prefix.length
-        positions = torch.arange(p, p + t, device=device).expand(b, t)
-        full_attention = torch.cat([torch.ones(b, p, dtype=attention.dtype, device=device), attention], dim=1)
-        out = model(input_ids=ids, attention_mask=full_attention, position_ids=positions,
-                    past_key_values=prefix.cache_for(b, model.config), use_cache=False)
-        logits = out.logits[:, :-1]  # [B, T-1, V] predicts suffix tokens 1..T-1
-        first = prefix.last_logits  # [V] predicts suffix token 0 of every row
+        kwargs["position_ids"] = torch.arange(p, p + t, device=device).expand(b, t)
+        kwargs["attention_mask"] = torch.cat([torch.ones(b, p, dtype=attention.dtype, device=device), attention], dim=1)
+        kwargs["past_key_values"] = prefix.cache_for(b, model.config)
+    # Trained positions 1..T-1, found on the host (batch tensors live there): no device sync.
+    rows, cols = batch.trained[:, 1:].nonzero(as_tuple=True)  # position cols+1 is predicted by cols
+    rows, cols = rows.to(device), cols.to(device)
+    targets = ids[rows, cols + 1]  # [N]
 
-    logprobs = torch.zeros(b, t, device=device, dtype=logits.dtype)
-    rest = _selected_logprobs(logits, ids[:, 1:])  # [B, T-1]
-    if first is None:
-        logprobs = torch.cat([logprobs[:, :1], rest], dim=1)
+    if head is None:  # a head with extras (bias, scaling, soft-capping): take the model's own logits
+        with native_gqa_attention(model):
+            logits = model(input_ids=ids, **kwargs).logits  # [B, T, V]
+        picked = logits[rows, cols]  # [N, V]
+        rest = _selected_logprobs(picked, targets)  # [N]
+        rest_entropy = _entropy(picked.detach()) if with_entropy else None
     else:
-        head = first[ids[:, 0]] - torch.logsumexp(first, dim=-1)  # [B]
-        logprobs = torch.cat([head[:, None], rest], dim=1)
+        with native_gqa_attention(model):
+            hidden = _decoder(model)(input_ids=ids, **kwargs).last_hidden_state  # [B, T, H]
+        rest, rest_entropy = chunked_token_logprobs(hidden[rows, cols], head.weight, targets,
+                                                    chunk_size=chunk_size, with_entropy=with_entropy)
 
+    logprobs = torch.zeros(b, t, device=device, dtype=rest.dtype).index_put((rows, cols + 1), rest)
     entropy = None
     if with_entropy:
-        entropy = torch.zeros(b, t, device=device)
-        with torch.no_grad():
-            trained = batch.trained.to(device) > 0
-            rest_mask = trained[:, 1:]
-            if rest_mask.any():
-                entropy[:, 1:][rest_mask] = _entropy(logits[rest_mask].detach())
-            if first is not None and trained[:, 0].any():
-                entropy[:, 0][trained[:, 0]] = _entropy(first.detach()[None])[0]
+        entropy = torch.zeros(b, t, device=device, dtype=rest.dtype)
+        entropy[rows, cols + 1] = rest_entropy
+    if prefix is not None:
+        first = prefix.last_logits  # [V] predicts suffix token 0 of every row
+        first_lp = first[ids[:, 0]] - torch.logsumexp(first, dim=-1)  # [B]
+        keep0 = batch.trained[:, 0].to(device) > 0  # [B]
+        logprobs = torch.cat([torch.where(keep0, first_lp, 0.0)[:, None], logprobs[:, 1:]], dim=1)
+        if entropy is not None:
+            entropy[:, 0] = torch.where(keep0, _entropy(first.detach()[None])[0], 0.0)
     return TokenLogprobs(logprobs, entropy)
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk_size: int = LOGPROB_CHUNK,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log_softmax(hidden @ weight.T)[i, targets[i]]`` for each row, a chunk of rows at a time.
+
+    Args:
+        hidden: ``[N, H]`` final hidden states (after the model's last norm); may carry a gradient.
+        weight: ``[V, H]`` the LM head's weight; must not require a gradient (frozen, as under LoRA).
+        targets: ``[N]`` token ids.
+        chunk_size: rows per chunk: the largest temporary is ``chunk_size x V``.
+        with_entropy: also return each row's entropy (detached).
+
+    Returns:
+        (log-probs ``[N]`` with a gradient to ``hidden``, entropies ``[N]`` or None).
+
+    Raises:
+        ValueError: ``weight`` requires a gradient (this path does not compute one).
+    """
+    if weight.requires_grad:
+        raise ValueError("chunked_token_logprobs does not train the LM head; use the model's logits instead")
+    logprobs, entropy = ChunkedTokenLogprobs.apply(hidden, weight, targets, chunk_size, with_entropy)
+    return logprobs, (entropy if with_entropy else None)
+
+
+class ChunkedTokenLogprobs(torch.autograd.Function):
+    """Chunked LM head + log-softmax whose backward needs no ``[N, V]`` tensor.
+
+    The log-prob of token y at one position depends only on that position's hidden state h:
+    ``d logp / d h = W[y] - softmax(W h) @ W``. That ``[H]`` vector is computed in the forward pass, from the
+    chunk's logits while they exist, so the backward is a scaling of saved ``[N, H]`` rows: the work is the
+    same two ``[c, H] x [H, V]``-sized products as autograd's forward + backward, the memory is one chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size, with_entropy):  # type: ignore[override]
+        n = hidden.shape[0]
+        logprobs = hidden.new_empty(n)
+        entropy = hidden.new_zeros(n if with_entropy else 0)
+        grad_rows = hidden.new_empty(hidden.shape) if ctx.needs_input_grad[0] else None
+        for start in range(0, n, chunk_size):
+            stop = min(start + chunk_size, n)
+            logits = torch.nn.functional.linear(hidden[start:stop], weight)  # [c, V]
+            lse = torch.logsumexp(logits, dim=-1)  # [c]
+            tgt = targets[start:stop]
+            logprobs[start:stop] = logits.gather(-1, tgt[:, None])[:, 0] - lse
+            if with_entropy or grad_rows is not None:
+                shifted = logits.sub_(lse[:, None])  # [c, V] log-softmax, in place of the logits
+                probs = shifted.exp()  # [c, V] softmax
+                if with_entropy:  # -sum_v p log p, summed as the full-logits path sums it
+                    entropy[start:stop] = -(probs * shifted).sum(-1)
+                if grad_rows is not None:
+                    torch.sub(weight[tgt], probs @ weight, out=grad_rows[start:stop])  # [c, H]
+        ctx.save_for_backward(grad_rows)
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):  # type: ignore[override]
+        (grad_rows,) = ctx.saved_tensors
+        grad_hidden = grad_rows * grad_logprobs[:, None] if grad_rows is not None else None
+        return grad_hidden, None, None, None, None
+
+
+_GQA_SDPA = "art_sdpa_native_gqa"
+
+
+@contextmanager
+def native_gqa_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, a model using transformers' ``"sdpa"`` attention keeps grouped-query K/V un-repeated.
+
+    transformers' SDPA path copies each layer's keys and values once per query group (``repeat_kv``) whenever
+    an attention mask is given, which a training forward always has (padding, or a shared prefix's cache).
+    Those copies are kept for the backward pass: for SmolLM2 (3 K/V heads, 9 query heads) they are a fifth
+    of a micro-batch's activation memory. ``scaled_dot_product_attention(enable_gqa=True)`` reads the groups
+    in place: the same result (bit for bit on CPU; tests/training/test_forward.py), less memory and time.
+
+    The attention function is registered once, under its own name, in transformers' attention tables
+    (additive: no existing entry changes); the model's ``_attn_implementation`` is switched to it for the
+    block and restored after. Any other implementation (eager, flash, ...) is left alone.
+    """
+    config = getattr(model, "config", None)
+    previous = getattr(config, "_attn_implementation", None)
+    if previous != "sdpa":
+        yield
+        return
+    _register_native_gqa()
+    config._attn_implementation = _GQA_SDPA
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+def _register_native_gqa() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    if _GQA_SDPA not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        AttentionInterface.register(_GQA_SDPA, _sdpa_native_gqa)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(_GQA_SDPA, sdpa_mask)  # the masks "sdpa" gets
+
+
+def _sdpa_native_gqa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, with grouped K/V heads passed to the kernel as they are (``enable_gqa``)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q_length = query.shape[2]
+    plain = all(kwargs.get(name) is None for name in ("softcap", "position_bias", "cache")) \
+        and not kwargs.get("output_attentions", False)
+    if getattr(module, "num_key_value_groups", 1) <= 1 or q_length == 1 or not plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = attention_mask is None and is_causal
+    if is_causal and key.shape[2] > q_length:  # as transformers does: causal without a mask means no cache
+        key, value = key[:, :, :q_length], value[:, :, :q_length]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal,
+        enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The LM head when logits are exactly ``head(last_hidden_state)`` and the head is frozen, else None."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    config = getattr(model, "config", None)
+    extras = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+    if (type(head) is not torch.nn.Linear or head.bias is not None or head.weight.requires_grad
+            or any(getattr(config, name, None) not in (None, 1, 1.0) for name in extras)
+            or not hasattr(_decoder(model), "forward") or _sharded(model)):
+        return None
+    return head
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 shards the model: its root unit gathers the head only in the whole model's forward."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return False
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return isinstance(base, FSDPModule) or isinstance(model, FSDPModule)
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module | None:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the HF model
+    get = getattr(base, "get_decoder", None)
+    return get() if callable(get) else None
 
 
 def _selected_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
