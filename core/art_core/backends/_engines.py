@@ -32,7 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..errors import ConfigError
 from .base import ModelSpec
 
-__all__ = ["INFERENCE", "EngineContext", "InferenceChoice", "Serving", "VLLMOptions", "adapter_mode", "inference_choice"]
+__all__ = ["INFERENCE", "EngineContext", "InferenceChoice", "Serving", "VLLMOptions", "adapter_mode",
+           "inference_choice"]
 
 Layout = Literal["shared-module", "separate-module", "cpu", "shared-gpu", "dedicated-gpu"]
 
