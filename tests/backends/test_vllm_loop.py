@@ -119,16 +119,31 @@ async def test_sample_goes_through_the_engine(served: tuple[TrainableModel, Loca
         assert call.adapter_step == model.step and len(call.logprobs or []) == len(call.completion_token_ids)
 
 
-async def test_a_dead_vllm_keeps_the_step_on_disk_and_the_gateway_paused(
+async def test_vllm_dying_mid_rollout_names_its_log_and_keeps_the_step_on_disk(
         served: tuple[TrainableModel, LocalBackend]) -> None:
-    # Last in the module: it kills the shared server.
+    # Last in the module: it kills the shared server, while a LangGraph group's calls are being decoded.
     model, _ = served
     question = [{"role": "user", "content": "Say something."}]
     group = TrajectoryGroup(await model.sample(question, n=4, max_tokens=8, temperature=1.0, seed=1))
     for i, trajectory in enumerate(group.trajectories):
         trajectory.reward = float(i)
     engine = (await _health(model))["engine"]
+    chat = ChatOpenAI(model="agent", base_url=f"http://127.0.0.1:9/{uuid.uuid4().hex[:8]}/v1", api_key="unused",
+                      temperature=1.0, max_tokens=1500, max_retries=0)  # the random model rarely stops early
+    agent = trainable(create_react_agent(chat, [add], prompt="Use the tools."), model)
+    rollouts = asyncio.create_task(agent.group({"messages": [("user", "What is 2 + 2?")]}, n=4, reward=_reward))
+    for _ in range(600):  # until vLLM is decoding the group's calls
+        if (await _health(model))["engine"]["in_flight"]:
+            break
+        await asyncio.sleep(0.05)
+    assert (await _health(model))["engine"]["in_flight"], "the group's calls never reached vLLM"
     os.killpg(engine["pid"], signal.SIGKILL)  # the process group the engine started (vLLM and its children)
+
+    failed = await asyncio.wait_for(rollouts, 120)
+    # Every rollout failed, and says why: the engine is gone, with its log file named.
+    assert len(failed) == 0 and len(failed.exceptions) == 4
+    print(f"\n{failed.exceptions[0][:400]}")
+    assert all(engine["log_path"] in error and "exited" in error for error in failed.exceptions)
 
     with pytest.raises(EngineError) as caught:
         await model.train([group], config=TrainConfig(learning_rate=1e-3))

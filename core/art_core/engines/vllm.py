@@ -361,6 +361,7 @@ class VLLMEngine:
         while not self._open.is_set():  # paused: wait, as generate() does
             await self._open.wait()
         self._check_open("generate")
+        self._check_alive("generate")
         name, step = self._model_name, self._adapter_step
         self._in_flight[name] = self._in_flight.get(name, 0) + 1
         self._idle.clear()
@@ -382,7 +383,8 @@ class VLLMEngine:
                         if delta is not None:
                             yield delta
         except httpx.TransportError as exc:
-            raise EngineError(f"vLLM server (pid {self.process.pid}) stream failed: {exc!r}") from exc
+            raise EngineError(f"vLLM server (pid {self.process.pid}, {self._process_state()}) stream failed: "
+                              f"{exc!r}; its log is {self.log_path}. Last lines:\n{self._log_tail(10)}") from exc
         except (KeyError, TypeError, ValueError) as exc:
             raise EngineError(f"unexpected streamed /v1/completions chunk from vLLM ({exc!r})") from exc
         finally:
@@ -515,6 +517,12 @@ class VLLMEngine:
 
     # ----------------------------------------------------------------------------------------- HTTP
 
+    def _process_state(self) -> str:
+        """``running`` or ``exited with code N``, after a moment's wait: a dying server drops connections first."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=1.0)
+        return "running" if self.process.poll() is None else f"exited with code {self.process.returncode}"
+
     async def _get(self, url: str) -> Any:
         return await self._request("GET", url)
 
@@ -529,9 +537,7 @@ class VLLMEngine:
             raise EngineError(f"vLLM server (pid {self.process.pid}) did not answer {method} {url} in time "
                               f"({exc!r}); raise request_timeout or ask for fewer tokens") from exc
         except httpx.TransportError as exc:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=1.0)  # a dying server drops connections before it exits
-            state = "running" if self.process.poll() is None else f"exited with code {self.process.returncode}"
+            state = self._process_state()
             raise EngineError(f"vLLM server (pid {self.process.pid}, {state}) unreachable for {method} {url}: "
                               f"{exc!r}; its log is {self.log_path}. Last lines:\n{self._log_tail(10)}") from exc
         if response.is_error:
