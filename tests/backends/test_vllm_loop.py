@@ -119,6 +119,38 @@ async def test_sample_goes_through_the_engine(served: tuple[TrainableModel, Loca
         assert call.adapter_step == model.step and len(call.logprobs or []) == len(call.completion_token_ids)
 
 
+async def test_a_checkpoint_vllm_cannot_merge_is_refused_before_any_weight_changes(
+        served: tuple[TrainableModel, LocalBackend], tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    model, backend = served
+    (slot,) = backend._slots.values()  # the one registered model's engine (no public handle to it)
+    engine = slot.engine
+    question = [{"role": "user", "content": "Name a color."}]
+
+    async def greedy() -> list[int]:
+        (trajectory,) = await model.sample(question, n=1, max_tokens=8, temperature=0.0)
+        return trajectory.calls[0].completion_token_ids
+
+    before, step = await greedy(), engine.adapter_step
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    wrong = tmp_path / "wrong-shape"  # an adapter made for another model: its q_proj has other sizes
+    wrong.mkdir()
+    (wrong / "adapter_config.json").write_text(json.dumps(config))
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{prefix}.lora_A.weight": torch.ones(4, 7), f"{prefix}.lora_B.weight": torch.ones(5, 4)},
+              str(wrong / "adapter_model.safetensors"))
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    (dora / "adapter_model.safetensors").write_bytes((wrong / "adapter_model.safetensors").read_bytes())
+    for folder, reason in ((wrong, "do not fit the base weight"), (dora, "use_dora")):
+        with pytest.raises(EngineError, match=f"could not merge adapter.*still serving step {step}.*{reason}"):
+            await engine.load_adapter(folder, step + 10)
+    assert engine.adapter_step == step and await greedy() == before  # the weights did not change
+
+
 async def test_vllm_dying_mid_rollout_names_its_log_and_keeps_the_step_on_disk(
         served: tuple[TrainableModel, LocalBackend]) -> None:
     # Last in the module: it kills the shared server, while a LangGraph group's calls are being decoded.
