@@ -8,6 +8,9 @@ from pathlib import Path
 
 import typer
 
+from .backends._engines import INFERENCE
+from .backends._trainers import TRAINERS
+
 app = typer.Typer(help="art-core: GRPO training of LoRA adapters for agents.", no_args_is_help=True,
                   add_completion=False)
 
@@ -49,8 +52,9 @@ def serve(
     port: int = typer.Option(7999, help="Port (0: a free one, printed on start)."),
     token: str = typer.Option(None, help="Bearer token every route wants [default: ART_SERVER_TOKEN]."),
     path: Path = typer.Option(Path(".art"), help="Where checkpoints, trajectories and history go."),
-    inference: str = typer.Option(None, help="Inference engine: transformers or vllm [default: LocalBackend's]."),
-    trainer: str = typer.Option(None, help="Trainer: peft or unsloth [default: LocalBackend's]."),
+    inference: str = typer.Option(None, help=f"Inference engine: {', '.join(sorted(INFERENCE))} "
+                                             "(default: LocalBackend's)."),
+    trainer: str = typer.Option(None, help=f"Trainer: {', '.join(sorted(TRAINERS))} (default: LocalBackend's)."),
     max_body_mb: int = typer.Option(256, help="Largest training-API request body, in MiB (gzip inflated)."),
     threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
     backend: str = typer.Option("local", help="local (this machine) or ray (replicas and trainer ranks on a Ray "

@@ -99,7 +99,9 @@ async def test_three_steps_through_a_langgraph_group(served: tuple[TrainableMode
         assert metrics["sampler_logprob_max_abs_diff"] <= 1e-3
     served_names = await _served_models(model)
     assert "agent@3" in served_names and "agent@2" not in served_names
-    assert (await _health(model))["engine"]["model"] == "step-3"  # vLLM serves checkpoint 3's adapter
+    engine = (await _health(model))["engine"]
+    # On CPU the adapter is merged into vLLM's weights (VLLMOptions.adapters="auto"): checkpoint 3's.
+    assert engine["adapters"] == "merged" and engine["adapter_step"] == 3 and engine["model"] == "base"
     assert [row["step"] for row in await model.history()] == [1, 2, 3]
 
 
@@ -117,16 +119,63 @@ async def test_sample_goes_through_the_engine(served: tuple[TrainableModel, Loca
         assert call.adapter_step == model.step and len(call.logprobs or []) == len(call.completion_token_ids)
 
 
-async def test_a_dead_vllm_keeps_the_step_on_disk_and_the_gateway_paused(
+async def test_a_checkpoint_vllm_cannot_merge_is_refused_before_any_weight_changes(
+        served: tuple[TrainableModel, LocalBackend], tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    model, backend = served
+    (slot,) = backend._slots.values()  # the one registered model's engine (no public handle to it)
+    engine = slot.engine
+    question = [{"role": "user", "content": "Name a color."}]
+
+    async def greedy() -> list[int]:
+        (trajectory,) = await model.sample(question, n=1, max_tokens=8, temperature=0.0)
+        return trajectory.calls[0].completion_token_ids
+
+    before, step = await greedy(), engine.adapter_step
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    wrong = tmp_path / "wrong-shape"  # an adapter made for another model: its q_proj has other sizes
+    wrong.mkdir()
+    (wrong / "adapter_config.json").write_text(json.dumps(config))
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{prefix}.lora_A.weight": torch.ones(4, 7), f"{prefix}.lora_B.weight": torch.ones(5, 4)},
+              str(wrong / "adapter_model.safetensors"))
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    (dora / "adapter_model.safetensors").write_bytes((wrong / "adapter_model.safetensors").read_bytes())
+    for folder, reason in ((wrong, "do not fit the base weight"), (dora, "use_dora")):
+        with pytest.raises(EngineError, match=f"could not merge adapter.*still serving step {step}.*{reason}"):
+            await engine.load_adapter(folder, step + 10)
+    assert engine.adapter_step == step and await greedy() == before  # the weights did not change
+
+
+async def test_vllm_dying_mid_rollout_names_its_log_and_keeps_the_step_on_disk(
         served: tuple[TrainableModel, LocalBackend]) -> None:
-    # Last in the module: it kills the shared server.
+    # Last in the module: it kills the shared server, while a LangGraph group's calls are being decoded.
     model, _ = served
     question = [{"role": "user", "content": "Say something."}]
     group = TrajectoryGroup(await model.sample(question, n=4, max_tokens=8, temperature=1.0, seed=1))
     for i, trajectory in enumerate(group.trajectories):
         trajectory.reward = float(i)
     engine = (await _health(model))["engine"]
+    chat = ChatOpenAI(model="agent", base_url=f"http://127.0.0.1:9/{uuid.uuid4().hex[:8]}/v1", api_key="unused",
+                      temperature=1.0, max_tokens=1500, max_retries=0)  # the random model rarely stops early
+    agent = trainable(create_react_agent(chat, [add], prompt="Use the tools."), model)
+    rollouts = asyncio.create_task(agent.group({"messages": [("user", "What is 2 + 2?")]}, n=4, reward=_reward))
+    for _ in range(600):  # until vLLM is decoding the group's calls
+        if (await _health(model))["engine"]["in_flight"]:
+            break
+        await asyncio.sleep(0.05)
+    assert (await _health(model))["engine"]["in_flight"], "the group's calls never reached vLLM"
     os.killpg(engine["pid"], signal.SIGKILL)  # the process group the engine started (vLLM and its children)
+
+    failed = await asyncio.wait_for(rollouts, 120)
+    # Every rollout failed, and says why: the engine is gone, with its log file named.
+    assert len(failed) == 0 and len(failed.exceptions) == 4
+    print(f"\n{failed.exceptions[0][:400]}")
+    assert all(engine["log_path"] in error and "exited" in error for error in failed.exceptions)
 
     with pytest.raises(EngineError) as caught:
         await model.train([group], config=TrainConfig(learning_rate=1e-3))

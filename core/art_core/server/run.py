@@ -28,8 +28,6 @@ __all__ = ["ServerSettings", "run_forever", "serve"]
 logger = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
-INFERENCE_CHOICES = ("transformers", "vllm")
-TRAINER_CHOICES = ("peft", "unsloth")
 BACKEND_CHOICES = ("local", "ray")
 
 
@@ -66,7 +64,7 @@ class ServerSettings:
         elif backend == "local" and (ray_address is not None or inference_replicas != 1 or trainer_workers != 1):
             problems.append("--ray-address, --replicas and --trainer-workers need --backend ray")
         elif backend == "ray":
-            if trainer not in (None, TRAINER_CHOICES[0]):
+            if trainer not in (None, "peft"):
                 problems.append(f"--trainer {trainer} is not available with --backend ray (its ranks train with peft)")
             if inference_replicas < 1 or trainer_workers < 1:
                 problems.append("--replicas and --trainer-workers must be at least 1")
@@ -81,15 +79,15 @@ class ServerSettings:
         if max_body_mb < 1:
             problems.append(f"max_body_mb {max_body_mb} must be at least 1")
         backend_options = _backend_options()
-        for option, value, choices in (("inference", inference, INFERENCE_CHOICES),
-                                       ("trainer", trainer, TRAINER_CHOICES)):
+        for option, value in (("inference", inference), ("trainer", trainer)):
             if value is None:
                 continue
+            choices = _choices(option)
             if value not in choices:
                 problems.append(f"--{option} {value!r} is not one of {', '.join(choices)}")
-            elif backend != "ray" and option not in backend_options and value != choices[0]:
+            elif backend != "ray" and option not in backend_options:
                 problems.append(f"--{option} {value} is not available in this art-core (its LocalBackend has no "
-                                f"{option}= option; only {choices[0]} runs here)")
+                                f"{option}= option)")
         if problems:
             raise ConfigError("cannot start the server:\n" + "\n".join(f"- {p}" for p in problems))
         self.host, self.port, self.token, self.path = host, port, token, Path(path)
@@ -102,10 +100,22 @@ class ServerSettings:
                                                 if v is not None and k in backend_options}
 
 
-def _backend_options() -> set[str]:
+def _backend_options() -> dict[str, Any]:
+    """``LocalBackend``'s keyword arguments and their defaults."""
     from ..backends.local import LocalBackend
 
-    return set(inspect.signature(LocalBackend).parameters)
+    return {name: p.default for name, p in inspect.signature(LocalBackend).parameters.items()}
+
+
+def _choices(option: str) -> list[str]:
+    """The names ``LocalBackend`` takes for ``option``, read from its own tables (one source of truth)."""
+    if option == "inference":
+        from ..backends._engines import INFERENCE
+
+        return sorted(INFERENCE)
+    from ..backends._trainers import TRAINERS
+
+    return sorted(TRAINERS)
 
 
 async def serve(settings: ServerSettings, *, ready: Any = None) -> None:
