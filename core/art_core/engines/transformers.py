@@ -8,6 +8,10 @@ for a long one, and a request that arrives mid-generation starts at the next ste
 the whole batch. Each row keeps its own temperature, top-p, seed, stop strings and token limit, so
 requests with different settings share a batch (``model.generate`` takes one setting for the whole batch).
 
+Each distinct prompt of an admission is prefilled once (a GRPO group sends one prompt many times), and a
+prompt seen again since the weights last changed is not prefilled at all (``engines/_prefix.py``); each
+layer's keys and values live in pre-allocated buffers, so a step writes its column in place.
+
 ``stream`` hands each request its tokens at the step that sampled them (one call into the event loop per
 request per step); a reader that stops abandons the request, and its rows leave the batch at the next step.
 
