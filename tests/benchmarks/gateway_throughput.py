@@ -84,8 +84,8 @@ def _batch1_tokens_per_s(engine: TransformersEngine) -> float:
     return produced / (time.perf_counter() - start)
 
 
-async def part_a(model_dir: Path, rounds: int) -> dict[str, float]:
-    engine = await TransformersEngine.from_pretrained(model_dir, device="cpu")
+async def part_a(model_dir: Path, rounds: int, prefix_cache_mb: int = 256) -> dict[str, float]:
+    engine = await TransformersEngine.from_pretrained(model_dir, device="cpu", prefix_cache_mb=prefix_cache_mb)
     _ignore_eos(engine)
     gateway = await Gateway(engine, GatewaySettings(model_name="bench", base_model_name="base")).start()
     client = AsyncOpenAI(base_url=gateway.base_url, api_key="bench")
@@ -99,7 +99,8 @@ async def part_a(model_dir: Path, rounds: int) -> dict[str, float]:
     await gateway.aclose()
     await engine.aclose()
     return {"gateway_tok_s": statistics.median(ours), "batch1_tok_s": statistics.median(batch1),
-            "speedup_vs_batch1": statistics.median(ours) / statistics.median(batch1)}
+            "speedup_vs_batch1": statistics.median(ours) / statistics.median(batch1),
+            "transformers_prefills": engine.stats["prefills"], "transformers_admissions": engine.stats["batches"]}
 
 
 async def part_b(engine: Any, rounds: int) -> dict[str, float]:
@@ -157,8 +158,8 @@ async def _ttft_ms(client: AsyncOpenAI, model: str, extra: dict[str, Any] | None
     return list(await asyncio.gather(*(one(i) for i in range(SESSIONS))))
 
 
-async def part_d(model_dir: Path, vllm: Any, rounds: int) -> dict[str, float]:
-    transformers = await TransformersEngine.from_pretrained(model_dir, device="cpu")
+async def part_d(model_dir: Path, vllm: Any, rounds: int, prefix_cache_mb: int = 256) -> dict[str, float]:
+    transformers = await TransformersEngine.from_pretrained(model_dir, device="cpu", prefix_cache_mb=prefix_cache_mb)
     _ignore_eos(transformers)
     over_vllm = await Gateway(vllm, GatewaySettings(model_name="bench", base_model_name="base")).start()
     over_transformers = await Gateway(transformers, GatewaySettings(model_name="bench", base_model_name="base")).start()
@@ -271,11 +272,13 @@ async def main() -> None:
     parser.add_argument("--overhead-requests", type=int, default=300)
     parser.add_argument("--vllm-python", default=os.environ.get("ART_VLLM_VENV", ".venv-vllm") + "/bin/python")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prefix-cache-mb", type=int, default=256,
+                        help="the transformers engine's prefix cache (0: off; vLLM keeps its own prefix caching on)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = resolve_base_model(args.model)
     figures: dict[str, Any] = {"model": args.model, "sessions": SESSIONS, "completion_tokens": TOKENS,
-                               "torch_threads": args.threads}
+                               "torch_threads": args.threads, "prefix_cache_mb": args.prefix_cache_mb}
     if "c" in args.parts:
         print(f"(c) gateway overhead per request, {args.overhead_requests} requests")
         figures.update(await part_c(model_dir, args.overhead_requests))
@@ -284,7 +287,7 @@ async def main() -> None:
               f"{figures['overhead_ms_median_openai_sdk']:.2f} ms with the OpenAI SDK as client; goal <= 2 ms")
     if "a" in args.parts:
         print(f"(a) {SESSIONS} concurrent sessions x {TOKENS} tokens vs sequential batch-1 generate")
-        figures.update(await part_a(model_dir, args.rounds))
+        figures.update(await part_a(model_dir, args.rounds, args.prefix_cache_mb))
         print(f"    speedup {figures['speedup_vs_batch1']:.2f}x; goal >= 3x")
     if "b" in args.parts or "d" in args.parts:
         from art_core.engines.vllm import VLLMEngine
@@ -301,7 +304,7 @@ async def main() -> None:
                     print(f"    ratio {figures['ratio_vs_vllm_cpu']:.2f}x; goal >= 0.9x")
                 if "d" in args.parts:
                     print(f"(d) time to first token, {SESSIONS} concurrent streaming sessions, vs raw vllm-cpu")
-                    figures.update(await part_d(model_dir, vllm, args.rounds))
+                    figures.update(await part_d(model_dir, vllm, args.rounds, args.prefix_cache_mb))
                     print(f"    gateway over vLLM {figures['ttft_ms_median']:.0f} ms "
                           f"({figures['ttft_ratio_vs_vllm']:.2f}x raw vLLM's {figures['ttft_ms_median_raw_vllm']:.0f} "
                           f"ms); over transformers {figures['ttft_ms_median_transformers']:.0f} ms "

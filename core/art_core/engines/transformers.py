@@ -8,6 +8,10 @@ for a long one, and a request that arrives mid-generation starts at the next ste
 the whole batch. Each row keeps its own temperature, top-p, seed, stop strings and token limit, so
 requests with different settings share a batch (``model.generate`` takes one setting for the whole batch).
 
+Each distinct prompt of an admission is prefilled once (a GRPO group sends one prompt many times), and a
+prompt seen again since the weights last changed is not prefilled at all (``engines/_prefix.py``); each
+layer's keys and values live in pre-allocated buffers, so a step writes its column in place.
+
 ``stream`` hands each request its tokens at the step that sampled them (one call into the event loop per
 request per step); a reader that stops abandons the request, and its rows leave the batch at the next step.
 
@@ -40,6 +44,7 @@ import torch
 
 from ..errors import ArtError, EngineError
 from ._batch import RunningBatch
+from ._prefix import PrefixCache
 from ._structured import JsonSchemaGuide, advance, allowed_tokens
 from .base import EngineOutput, SamplingParams, TokenDelta, check_adapter_path
 
@@ -93,9 +98,12 @@ class TransformersEngine:
         tokenizer: its tokenizer, with the chat template.
         max_batch_rows: most sequences decoded together (a request with n=8 takes 8 rows).
         adapter_step: the checkpoint step the model's weights correspond to.
+        prefix_cache_mb: memory for the states of recently prefilled prompts (``engines/_prefix.py``): a prompt
+            seen again since the weights last changed skips its prefill. 0 turns it off.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, *, max_batch_rows: int = 64, adapter_step: int = 0) -> None:
+    def __init__(self, model: Any, tokenizer: Any, *, max_batch_rows: int = 64, adapter_step: int = 0,
+                 prefix_cache_mb: int = 256) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_rows = max_batch_rows
@@ -112,9 +120,11 @@ class TransformersEngine:
         self._idle: asyncio.Event | None = None  # set when no decode loop is running
         self._closed = False
         self._guide: JsonSchemaGuide | None = None  # built on the first request with a JSON schema
-        self.stats = {"batches": 0, "rows": 0, "tokens": 0, "steps": 0, "max_rows": 0}
+        self._prefix = PrefixCache(prefix_cache_mb * 2**20)
+        self.stats = {"batches": 0, "rows": 0, "tokens": 0, "steps": 0, "max_rows": 0, "prefills": 0}
         """Counters since start: admissions (each prefills the requests that were waiting and adds their rows
-        to the running batch), sequences decoded, tokens sampled, decode steps, most rows decoded at once."""
+        to the running batch), sequences decoded, tokens sampled, decode steps, most rows decoded at once,
+        prompts run through the model (each distinct prompt of an admission once, none found in the prefix cache)."""
         self.running_rows = 0
         """Rows in the batch being decoded now (a row leaves the step after it finishes or its caller goes away)."""
 
@@ -212,6 +222,7 @@ class TransformersEngine:
 
         try:
             await asyncio.to_thread(swap)
+            self._prefix.clear()
         except Exception as exc:
             raise EngineError(f"could not load the adapter in {path} as step {step}: {exc}") from exc
         else:
@@ -222,6 +233,7 @@ class TransformersEngine:
 
     def mark_adapter_step(self, step: int) -> None:
         """Record that the shared weights now are checkpoint ``step`` (in-process training updated them)."""
+        self._prefix.clear()
         self._adapter_step = step
 
     async def pause(self) -> None:
@@ -230,6 +242,7 @@ class TransformersEngine:
         assert self._serving is not None
         self._serving.clear()
         await self._wait_idle()
+        self._prefix.clear()  # the weights may change while paused (a training step, an adapter swap)
 
     async def resume(self) -> None:
         self._ensure_worker()
@@ -336,7 +349,7 @@ class TransformersEngine:
         model = self.model
         was_training = model.training
         model.eval()
-        batch = RunningBatch(model, self.pad_id)
+        batch = RunningBatch(model, self.pad_id, self._prefix)
         rows: list[_Row] = []
         waiting = list(first)
         try:
@@ -407,7 +420,9 @@ class TransformersEngine:
                 matcher = self._json_guide().matcher(p.json_schema, grammar=p.grammar) if constrained else None
                 request.rows.append(_Row(request, k, generator, matcher))
             rows += request.rows
+        prefilled = batch.prefilled
         batch.add([r.prompt for r in requests], [r.params.n for r in requests])
+        self.stats["prefills"] += batch.prefilled - prefilled
         self.stats["batches"] += 1
         self.stats["rows"] += len(rows)
         self.stats["max_rows"] = max(self.stats["max_rows"], len(batch))
