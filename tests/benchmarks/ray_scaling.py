@@ -57,7 +57,8 @@ async def chat(model: Any, task: dict[str, Any]) -> Any:
 
     rid = uuid.uuid4().hex
     client = openai.AsyncOpenAI(base_url=model.rollout_base_url(rid), api_key=model.api_key or "unused")
-    prompt = task["prompt"] + " Context: " + " ".join(f"item{i}" for i in range(task["words"]))
+    prompt = (f"Request {task['nonce']}. " + task["prompt"] + " Context: "
+              + " ".join(f"item{i}" for i in range(task["words"])))
     await client.chat.completions.create(model=model.name, messages=[{"role": "user", "content": prompt}],
                                          max_tokens=task["max_tokens"], temperature=1.0)
     await client.close()
@@ -159,11 +160,18 @@ async def measure(path: Path, args: argparse.Namespace) -> dict[str, Any]:
                                         checkpoint=None, num_threads=1, gpus_per_rank=0, cpus_per_rank=0.25, sharding="none")
         print(f"[2 replicas, a 2-rank and a 1-rank group] started in {time.perf_counter() - t0:.1f} s", flush=True)
         router = backend.router(model.spec)
-        tasks = [{"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": args.max_tokens, "words": args.prompt_words}
-                 for i in range(args.rollouts)]
-        await backend.gather(model.spec, ROLLOUT, tasks[:8], n=1)  # warm-up: workers, replicas, caches
+        # Each task's prompt starts with a fresh nonce, shared only by the rollouts of one group: the engines keep
+        # the states of prompts they have seen, and repeating prompts across rounds would time little but HTTP
+        # and Ray after the warm-up (a GRPO group's rollouts do share their prompt, as the training groups do).
+        def fresh_tasks() -> list[dict[str, Any]]:
+            return [{"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": args.max_tokens, "words": args.prompt_words,
+                     "nonce": uuid.uuid4().hex[:8]} for i in range(args.rollouts)]
+
+        await backend.gather(model.spec, ROLLOUT, fresh_tasks()[:8], n=1)  # warm-up: workers, replicas
+        tasks = fresh_tasks()
         for r in range(args.rounds):
             for replicas in (1, 2):
+                tasks = fresh_tasks()
                 routed = list(router.routed)
                 cpu0, t0 = tree_cpu(os.getpid()), time.perf_counter()
                 if replicas == 1:
