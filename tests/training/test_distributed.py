@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -115,39 +116,57 @@ class _Recorder:
         self.recorded = [p.grad.detach().clone() for p in params]
 
 
-def test_two_gloo_ranks_sum_to_the_gradient_of_one_process(tiny_model_dir: Path, tmp_path: Path) -> None:
-    import socket
-
+def _seeded_policy(model_dir: Path, tmp_path: Path) -> tuple[Any, Any, Path]:
+    """A LoRA policy whose B matrices are seeded (a fresh adapter's B is zero, so no LoRA matrix would get a
+    gradient), saved as an adapter folder for the rank processes. Returns (policy, tokenizer, adapter dir)."""
     import torch
-    import torch.multiprocessing as mp
 
-    from art_core import LoraSettings, TrainConfig
-    from art_core.training.trainer import GRPOTrainer, load_policy
+    from art_core import LoraSettings
+    from art_core.training.trainer import load_policy
 
-    lora = LoraSettings(rank=4, alpha=8)
-    policy, tokenizer = load_policy(tiny_model_dir, lora, device="cpu")
-    with torch.no_grad():  # a fresh adapter's B is zero: give it weights so every LoRA matrix gets a gradient
+    policy, tokenizer = load_policy(model_dir, LoraSettings(rank=4, alpha=8), device="cpu")
+    with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
     adapter = tmp_path / "adapter"
     policy.save_pretrained(adapter)
-    reference = _Recorder()
-    GRPOTrainer(policy, tokenizer).train_step(_rank_groups(0), TrainConfig(), sync=reference)
+    return policy, tokenizer, adapter
+
+
+def _two_ranks(target: Any, out_prefix: Path, model_dir: str, adapter_dir: str, **extra: Any) -> list[Any]:
+    """Run ``target(rank, 2, port, model_dir, adapter_dir, out, *extra)`` in two spawned processes; their outputs."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
+    outs = [f"{out_prefix}{r}.pt" for r in range(2)]
     context = mp.get_context("spawn")
-    procs = [context.Process(target=_rank_main, args=(r, 2, port, str(tiny_model_dir), str(adapter), outs[r]))
+    procs = [context.Process(target=target, args=(r, 2, port, model_dir, adapter_dir, outs[r], *extra.values()))
              for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=240)
-        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
-    rank0, rank1 = (torch.load(o) for o in outs)
+        assert p.exitcode == 0, f"{target.__name__} process exited with {p.exitcode}"
+    return [torch.load(o) for o in outs]
+
+
+def test_two_gloo_ranks_sum_to_the_gradient_of_one_process(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import torch
+
+    from art_core import TrainConfig
+    from art_core.training.trainer import GRPOTrainer
+
+    policy, tokenizer, adapter = _seeded_policy(tiny_model_dir, tmp_path)
+    reference = _Recorder()
+    GRPOTrainer(policy, tokenizer).train_step(_rank_groups(0), TrainConfig(), sync=reference)
+
+    rank0, rank1 = _two_ranks(_rank_main, tmp_path / "rank", str(tiny_model_dir), str(adapter))
     diff = max(float((a - b).abs().max()) for a, b in zip(rank0, reference.recorded, strict=True))
     scale = max(float(g.abs().max()) for g in reference.recorded)
     print(f"LoRA gradient max abs diff, 2 gloo ranks vs 1 process: {diff:.3e} (largest gradient {scale:.3e})")
@@ -194,40 +213,19 @@ def _fsdp_rank_main(rank: int, world: int, port: int, model_dir: str, adapter_di
 
 @pytest.mark.parametrize("beta", [0.05])  # beta=0 runs in tests/backends/test_ray_backend.py (FSDP2 on Ray)
 def test_two_fsdp2_ranks_train_the_adapter_of_one_process(tiny_model_dir: Path, tmp_path: Path, beta: float) -> None:
-    import socket
 
     import torch
-    import torch.multiprocessing as mp
 
-    from art_core import LoraSettings, TrainConfig
-    from art_core.training.trainer import GRPOTrainer, load_policy
+    from art_core import TrainConfig
+    from art_core.training.trainer import GRPOTrainer
 
-    lora = LoraSettings(rank=4, alpha=8)
-    policy, tokenizer = load_policy(tiny_model_dir, lora, device="cpu")
-    with torch.no_grad():  # a fresh adapter's B is zero: give it weights so every LoRA matrix gets a gradient
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
-    adapter = tmp_path / "adapter"
-    policy.save_pretrained(adapter)
+    policy, tokenizer, adapter = _seeded_policy(tiny_model_dir, tmp_path)
     reference = _Recorder()
     trainer = GRPOTrainer(policy, tokenizer, share_prefix=False)
     trainer.train_step(_rank_groups(0), TrainConfig(micro_batch_tokens=24, beta=beta, learning_rate=1e-3),
                        sync=reference)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    outs = [str(tmp_path / f"fsdp{r}.pt") for r in range(2)]
-    context = mp.get_context("spawn")
-    procs = [context.Process(target=_fsdp_rank_main,
-                             args=(r, 2, port, str(tiny_model_dir), str(adapter), outs[r], beta)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-        assert p.exitcode == 0, f"FSDP2 rank process exited with {p.exitcode}"
-    rank0, rank1 = (torch.load(o) for o in outs)
+    rank0, rank1 = _two_ranks(_fsdp_rank_main, tmp_path / "fsdp", str(tiny_model_dir), str(adapter), beta=beta)
     assert rank0["layers"] >= 2 and 0.4 < rank0["local_fraction"] < 0.6, "each rank holds about half the base"
     grad_diff = max(float((a - b).abs().max()) for a, b in zip(rank0["grads"], reference.recorded, strict=True))
     scale = max(float(g.abs().max()) for g in reference.recorded)
