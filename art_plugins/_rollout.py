@@ -27,10 +27,10 @@ from art_core.errors import ArtError, ConfigError
 from art_core.rewards import RewardFn, reward_value
 from art_core.trajectories import trajectory_from_records
 
-from ._routing import Route, routed
+from ._routing import Route, derive_seed, routed
 
-__all__ = ["NoTrainableCallsError", "RewardFn", "RolloutScope", "check_langfuse", "current_group_id", "gather_group",
-           "langfuse_trace", "score"]
+__all__ = ["NoTrainableCallsError", "RewardFn", "RolloutScope", "check_langfuse", "check_seed", "current_group_id",
+           "gather_group", "langfuse_trace", "score"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +56,18 @@ class RolloutScope:
         framework: recorded in ``metadata["framework"]``.
         caller: returns the label of the part of the agent making the current call (stored per call).
         rollout_id: default: a new random id.
+        seed: seeds the rollout's sampling (each call gets a seed derived from it and the call's position, unless
+            the agent sets one): an agent that makes its calls in a fixed order samples the same run again.
+            Default: unseeded.
         redirect: redirect HTTP calls naming the model (``_routing.routed``) while the scope is open. False
             when the adapter sends every trainable call through a client of its own (counted on ``route``).
     """
 
     def __init__(self, model: TrainableModel, *, model_names: Iterable[str] | None = None, framework: str,
                  caller: Callable[[], str | None] | None = None, rollout_id: str | None = None,
-                 redirect: bool = True) -> None:
+                 seed: int | None = None, redirect: bool = True) -> None:
         names = frozenset(model_names) if model_names is not None else frozenset({model.name})
+        check_seed(seed)
         if not names or not all(isinstance(n, str) and n for n in names):
             raise ConfigError(f"model_names must be non-empty strings, got {sorted(map(repr, names))}")
         self.model = model
@@ -71,7 +75,7 @@ class RolloutScope:
         self.rollout_id = rollout_id or f"{framework}-{uuid.uuid4().hex[:16]}"
         gateway_url = model.rollout_base_url(self.rollout_id)  # validates the id; raises if not registered
         self.route = Route(model_names=names, served_name=model.name, base_url=gateway_url,
-                           api_key=model.api_key, caller=caller)
+                           api_key=model.api_key, caller=caller, seed=seed)
         self.redirect = redirect
         self._scope: Any = None
         # Chosen now, not when the trajectory is built, so that a trace can be named after it while the run goes.
@@ -221,17 +225,29 @@ async def score(trajectory: Trajectory, reward: RewardFn | None) -> Trajectory:
     return trajectory
 
 
-async def gather_group(n: int, rollout: Callable[[], Awaitable[Trajectory]]) -> TrajectoryGroup:
-    """``n`` calls of ``rollout()`` run concurrently, as one group for GRPO.
+def check_seed(seed: Any) -> None:
+    """Raise ``ConfigError`` unless ``seed`` is None or a whole number (a ``bool`` is not one)."""
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise ConfigError(f"seed must be an int or None, got {type(seed).__name__} {seed!r}")
+
+
+async def gather_group(n: int, rollout: Callable[[int | None], Awaitable[Trajectory]], *,
+                       seed: int | None = None) -> TrajectoryGroup:
+    """``n`` calls of ``rollout(seed_i)`` run concurrently, as one group for GRPO.
+
+    ``seed_i`` is the i-th rollout's seed, derived from ``seed`` (so that the rollouts differ from each other
+    and the group can be replayed), or None when ``seed`` is None.
 
     A rollout that fails is left out and listed in ``group.exceptions`` (and logged), not raised;
     ``KeyboardInterrupt`` and cancellation are not failures and propagate.
     """
     if n < 1:
         raise ConfigError(f"n is {n}: a group needs at least one rollout (GRPO needs two or more)")
+    check_seed(seed)
     token = _group_id.set(uuid.uuid4().hex[:12])  # each rollout's task copies it (trace metadata: "group")
     try:
-        results = await asyncio.gather(*(rollout() for _ in range(n)), return_exceptions=True)
+        results = await asyncio.gather(*(rollout(None if seed is None else derive_seed(seed, i)) for i in range(n)),
+                                       return_exceptions=True)
     finally:
         _group_id.reset(token)
     for result in results:

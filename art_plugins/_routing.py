@@ -8,6 +8,10 @@ variable, so concurrent rollouts and other threads never see each other's), a PO
 ``.../chat/completions`` or ``.../responses`` whose JSON names one of the route's models goes to the
 rollout's gateway URL instead, with the gateway's key. Everything else passes through untouched.
 
+A seeded route (``Route.seed``) also sends each call an ``X-Art-Seed`` header, derived from the rollout's seed
+and the call's position in the rollout, which the gateway samples with when the body names no seed: a
+rollout whose agent makes its calls in a fixed order samples the same tokens when run again.
+
 The wrapper is installed when the first scope opens and removed when the last one closes: outside every
 scope the classes are exactly as the libraries shipped them.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib
 import json
 import threading
@@ -25,13 +30,23 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
-from art_core.gateway.state import CALLER_HEADER
+from art_core.gateway.state import CALLER_HEADER, SEED_HEADER
 
-__all__ = ["CountingTransport", "Route", "current_route", "routed", "wrappers_installed"]
+__all__ = ["CountingTransport", "Route", "current_route", "derive_seed", "routed", "wrappers_installed"]
 
 _ENDPOINTS = ("/chat/completions", "/responses")
 # Headers that belong to the original destination or are recomputed for the new body.
 _DROPPED_HEADERS = frozenset({"host", "content-length", "authorization", "api-key", "x-api-key", "transfer-encoding"})
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """The seed of the ``index``-th member (a group's rollout, a rollout's call) of what ``seed`` seeds.
+
+    A hash, not ``seed + index``: the members of neighbouring seeds never share a seed. Below 2**63, which
+    every engine takes.
+    """
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 @dataclass(eq=False)
@@ -44,6 +59,8 @@ class Route:
         base_url: the rollout's gateway base URL (``.../rollouts/{id}/v1``).
         api_key: the gateway's key, or None when it needs none.
         caller: returns the label of the part of the agent making the current call (a graph node), or None.
+        seed: seeds the rollout's sampling: its k-th routed call is sampled with ``derive_seed(seed, k)``
+            unless the agent set a seed itself. None: unseeded.
     """
 
     model_names: frozenset[str]
@@ -51,6 +68,7 @@ class Route:
     base_url: str
     api_key: str | None = None
     caller: Callable[[], str | None] | None = None
+    seed: int | None = None
     on_response: Callable[[Any], None] | None = None
     """Called with the response to each routed call, in the task that made it (``art_plugins.langfuse``
     reads the gateway's headers there); it must not raise."""
@@ -101,6 +119,19 @@ class Route:
         label = self.caller() if self.caller is not None else None
         return quote(label, safe=" !#$&'()*+,./:;=?@[]^_`{|}~-") if label else None
 
+    def call_headers(self) -> list[tuple[str, str]]:
+        """The headers the gateway reads for the call being made now: its caller label and, when seeded, its seed.
+
+        Call it once per call, just before the call is counted (``call_started``): the seed is the call's position.
+        """
+        headers = []
+        label = self.caller_label()
+        if label:
+            headers.append((CALLER_HEADER, label))
+        if self.seed is not None:
+            headers.append((SEED_HEADER, str(derive_seed(self.seed, self.routed_calls))))
+        return headers
+
     def count_answer(self, status_code: int) -> None:
         """Note the status the gateway answered a routed call with."""
         if status_code >= 400:
@@ -130,9 +161,7 @@ class Route:
         headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() not in _DROPPED_HEADERS]
         if self.api_key is not None:
             headers.append(("authorization", f"Bearer {self.api_key}"))
-        label = self.caller_label()
-        if label:
-            headers.append((CALLER_HEADER, label))
+        headers += self.call_headers()
         return type(request)(request.method, self.base_url + endpoint, headers=headers, content=content,
                              extensions=request.extensions)
 
@@ -261,9 +290,9 @@ def _wrap(original: Callable[..., Any], is_async: bool) -> Callable[..., Any]:
 
 
 class CountingTransport:
-    """An async httpx transport that counts its requests on a ``Route`` and labels them with the caller, for a
-    client the adapter built itself (which needs no redirect): the count lets a rollout that was cut short
-    wait for the records of its calls.
+    """An async httpx transport that counts its requests on a ``Route`` and labels them with the caller (and the
+    seed, on a seeded route), for a client the adapter built itself (which needs no redirect): the count lets a
+    rollout that was cut short wait for the records of its calls.
 
     Args:
         inner: the transport that sends (e.g. ``httpx2.AsyncHTTPTransport()``).
@@ -274,9 +303,8 @@ class CountingTransport:
         self._inner, self._route = inner, route
 
     async def handle_async_request(self, request: Any) -> Any:
-        label = self._route.caller_label()
-        if label:
-            request.headers[CALLER_HEADER] = label
+        for name, value in self._route.call_headers():
+            request.headers[name] = value
         delivery = self._route.call_started(request)
         try:
             response = await self._inner.handle_async_request(request)

@@ -81,13 +81,18 @@ class TrainableGraph:
     def __repr__(self) -> str:
         return f"TrainableGraph({type(self.graph).__name__}, model={self.model.name!r})"
 
-    def capture(self, *, rollout_id: str | None = None) -> RolloutScope:
-        """A scope (``with`` or ``async with``) in which the graph's trainable calls are captured."""
+    def capture(self, *, rollout_id: str | None = None, seed: int | None = None) -> RolloutScope:
+        """A scope (``with`` or ``async with``) in which the graph's trainable calls are captured.
+
+        Args:
+            rollout_id: default: a new random id.
+            seed: seeds the run's sampling (see ``rollout``). Default: unseeded.
+        """
         return RolloutScope(self.model, model_names=self.model_names, framework="langgraph", caller=_current_node,
-                            rollout_id=rollout_id)
+                            rollout_id=rollout_id, seed=seed)
 
     async def rollout(self, input: Any, *, reward: RewardFn | None = None, config: dict[str, Any] | None = None,
-                      method: Method = "astream", rollout_id: str | None = None) -> Trajectory:
+                      method: Method = "astream", rollout_id: str | None = None, seed: int | None = None) -> Trajectory:
         """Run the graph once on ``input`` and return the run as a scored trajectory.
 
         Args:
@@ -97,6 +102,10 @@ class TrainableGraph:
             config: the graph's ``RunnableConfig`` (``configurable``, ``callbacks``...).
             method: how the graph is run (see the module docstring).
             rollout_id: default: a new random id.
+            seed: seeds the sampling: the run's k-th call to the trainable model is sampled with a seed derived
+                from ``seed`` and k (unless the chat model sets ``seed`` itself), so a graph that makes its calls
+                in a fixed order samples the same tokens when run again with the same seed and adapter. Default:
+                unseeded.
 
         Raises:
             NoTrainableCallsError: the graph never called the trainable model (the message lists what it called),
@@ -111,7 +120,7 @@ class TrainableGraph:
             run_config.setdefault("recursion_limit", self.recursion_limit)
         from langgraph.errors import GraphRecursionError
 
-        scope = self.capture(rollout_id=rollout_id)
+        scope = self.capture(rollout_id=rollout_id, seed=seed)
         scope.trace = langfuse_trace(self.langfuse, scope, input)  # Langfuse: None when off
         progress = _Progress()
         stop_reason = None
@@ -132,12 +141,15 @@ class TrainableGraph:
         return scope.scored(await score(trajectory, reward))
 
     async def group(self, input: Any, *, n: int, reward: RewardFn | None = None, config: dict[str, Any] | None = None,
-                    method: Method = "astream") -> TrajectoryGroup:
+                    method: Method = "astream", seed: int | None = None) -> TrajectoryGroup:
         """``n`` rollouts of the same input run concurrently, as one group for GRPO.
 
+        ``seed`` seeds the group: each rollout gets its own seed derived from it (see ``rollout``), so the
+        rollouts differ from each other and the same group can be sampled again. Default: unseeded.
         A rollout that fails is left out and listed in ``group.exceptions``, not raised.
         """
-        return await gather_group(n, lambda: self.rollout(input, reward=reward, config=config, method=method))
+        return await gather_group(n, lambda rollout_seed: self.rollout(input, reward=reward, config=config,
+                                                                       method=method, seed=rollout_seed), seed=seed)
 
 
 class _Progress:

@@ -180,22 +180,23 @@ class TrainableRunner:
         return f"TrainableRunner(model={self.model.name!r}, model_names={sorted(self.model_names)})"
 
     def capture(self, *, rollout_id: str | None = None, agent: Agent[Any] | None = None,
-                run_config: RunConfig | dict[str, Any] | None = None) -> AgentCapture:
+                run_config: RunConfig | dict[str, Any] | None = None, seed: int | None = None) -> AgentCapture:
         """A scope (``async with``) for driving the SDK yourself; see ``AgentCapture``.
 
         Args:
             rollout_id: default: a new random id.
+            seed: seeds the run's sampling (see ``run``). Default: unseeded.
             agent, run_config: what the run will use, when known: the HTTP redirect is installed only if one
                 of its agents built its own ``Model`` object. Default: unknown, so the redirect is installed.
         """
         redirect = agent is None or _builds_own_model(agent, run_config)
-        return AgentCapture(self, rollout_id=rollout_id, redirect=redirect)
+        return AgentCapture(self, rollout_id=rollout_id, redirect=redirect, seed=seed)
 
     async def run(self, starting_agent: Agent[Any], input: RunInput, *, reward: RewardFn | None = None,
                   context: Any = None, max_turns: int | None = DEFAULT_MAX_TURNS, hooks: RunHooks[Any] | None = None,
                   run_config: RunConfig | dict[str, Any] | None = None,
                   error_handlers: RunErrorHandlers[Any] | None = None, session: Session | None = None,
-                  rollout_id: str | None = None) -> tuple[RunResult | None, Trajectory]:
+                  rollout_id: str | None = None, seed: int | None = None) -> tuple[RunResult | None, Trajectory]:
         """``Runner.run`` with the trainable model, returning the SDK's result and the run as a scored trajectory.
 
         Args:
@@ -205,6 +206,9 @@ class TrainableRunner:
             reward: ``reward(trajectory, final_output) -> float``, plain or async. If it raises, the error is
                 recorded on the trajectory (``logs``, ``metadata["reward_error"]``) and the reward stays 0.
             rollout_id: default: a new random id.
+            seed: seeds the sampling: the run's k-th call to the trainable model is sampled with a seed derived
+                from ``seed`` and k, so a run whose calls come in a fixed order (no parallel agents) samples the
+                same tokens again with the same seed and adapter. Default: unseeded.
 
         Returns:
             ``(result, trajectory)``; ``result`` is None when the SDK stopped the run over the model's
@@ -216,7 +220,7 @@ class TrainableRunner:
                 (re-raised too when the run stopped before any trainable call).
         """
         _check_agent(starting_agent)
-        capture = self.capture(rollout_id=rollout_id, agent=starting_agent, run_config=run_config)
+        capture = self.capture(rollout_id=rollout_id, agent=starting_agent, run_config=run_config, seed=seed)
         capture.scope.trace = langfuse_trace(self.langfuse, capture.scope, input)  # Langfuse: None when off
         result: RunResult | None = None
         error: BaseException | None = None
@@ -246,16 +250,16 @@ class TrainableRunner:
                      context: Any = None, max_turns: int | None = DEFAULT_MAX_TURNS,
                      hooks: RunHooks[Any] | None = None, run_config: RunConfig | dict[str, Any] | None = None,
                      error_handlers: RunErrorHandlers[Any] | None = None, session: Session | None = None,
-                     rollout_id: str | None = None) -> StreamedRun:
+                     rollout_id: str | None = None, seed: int | None = None) -> StreamedRun:
         """``Runner.run_streamed`` with the trainable model (call it with an event loop running).
 
         Read ``stream_events()`` to the end (or ``await streamed.wait()``), then ``streamed.trajectory`` holds
-        the scored run. Arguments and endings are those of ``run``, ``timeout`` included (the run is cancelled
+        the scored run. Arguments (``seed`` too) and endings are those of ``run``, ``timeout`` included (the run is cancelled
         when it runs out: the events end, and the trajectory says ``stop_reason="timeout"``). Cancelling it
         yourself (``streamed.result.cancel()``) marks it ``stop_reason="cancelled"``.
         """
         _check_agent(starting_agent)
-        capture = self.capture(rollout_id=rollout_id, agent=starting_agent, run_config=run_config)
+        capture = self.capture(rollout_id=rollout_id, agent=starting_agent, run_config=run_config, seed=seed)
         trace = capture.scope.trace = langfuse_trace(self.langfuse, capture.scope, input)  # None when off
         if trace is not None:
             trace.outlives_scope = True  # the run's task carries the trace on; the stream's end closes it
@@ -277,18 +281,20 @@ class TrainableRunner:
     async def group(self, starting_agent: Agent[Any], input: RunInput, *, n: int,
                     reward: RewardFn | None = None, context: Any = None, max_turns: int | None = DEFAULT_MAX_TURNS,
                     hooks: RunHooks[Any] | None = None, run_config: RunConfig | dict[str, Any] | None = None,
-                    error_handlers: RunErrorHandlers[Any] | None = None) -> TrajectoryGroup:
+                    error_handlers: RunErrorHandlers[Any] | None = None, seed: int | None = None) -> TrajectoryGroup:
         """``n`` runs of the same input, concurrently, as one group for GRPO.
 
         Every run gets the same ``context`` object (give it no state the runs would share by accident). A run
-        that fails is left out and listed in ``group.exceptions``, not raised.
+        that fails is left out and listed in ``group.exceptions``, not raised. ``seed`` seeds the group: each run
+        gets its own seed derived from it (see ``run``), so the runs differ and the group can be sampled again.
         """
-        async def one() -> Trajectory:
+        async def one(run_seed: int | None) -> Trajectory:
             _, trajectory = await self.run(starting_agent, input, reward=reward, context=context, max_turns=max_turns,
-                                           hooks=hooks, run_config=run_config, error_handlers=error_handlers)
+                                           hooks=hooks, run_config=run_config, error_handlers=error_handlers,
+                                           seed=run_seed)
             return trajectory
 
-        return await gather_group(n, one)
+        return await gather_group(n, one, seed=seed)
 
 
 class AgentCapture:
@@ -306,10 +312,11 @@ class AgentCapture:
         tool_errors: one line per tool error the SDK reported to the model.
     """
 
-    def __init__(self, runner: TrainableRunner, *, rollout_id: str | None = None, redirect: bool = True) -> None:
+    def __init__(self, runner: TrainableRunner, *, rollout_id: str | None = None, redirect: bool = True,
+                 seed: int | None = None) -> None:
         self._runner = runner
         self.scope = RolloutScope(runner.model, model_names=runner.model_names, framework="openai-agents",
-                                  caller=_calling_agent.get, rollout_id=rollout_id, redirect=redirect)
+                                  caller=_calling_agent.get, rollout_id=rollout_id, redirect=redirect, seed=seed)
         self.rollout_id = self.scope.rollout_id
         self.tool_errors: list[str] = []
         self._handled_stop: str | None = None

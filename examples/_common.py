@@ -38,8 +38,8 @@ __all__ = ["ExampleSettings", "LearningResult", "StepStats", "evaluate", "learn"
 
 T = TypeVar("T")
 Play = Callable[[T, int, int], Awaitable[TrajectoryGroup]]
-"""``play(task, n, seed)``: ``n`` scored rollouts of the agent on ``task`` (``seed``: for whatever the play
-can seed, such as a judge's shuffles; an agent's own sampling is as its code sets it)."""
+"""``play(task, n, seed)``: ``n`` scored rollouts of the agent on ``task``; ``seed`` seeds the group's sampling
+(``agent.group(..., seed=seed)``), so that the held-out evaluation and the training groups can be replayed."""
 
 
 # -- flags ---------------------------------------------------------------------------------------------

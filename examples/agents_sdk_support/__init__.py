@@ -31,7 +31,7 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
         agent = build_agent()
 
         async def play(task: SupportTask, n: int, seed: int) -> TrajectoryGroup:
-            return await runner.group(agent, task.message, n=n, reward=reward(task), max_turns=6)
+            return await runner.group(agent, task.message, n=n, reward=reward(task), max_turns=6, seed=seed)
 
         console.print(f"[bold]agents_sdk_support[/]: an Agents SDK triage desk on {settings.base_model}")
         return await learn(model, play, train_tasks=make_tasks(settings.steps * settings.groups, seed=settings.seed),

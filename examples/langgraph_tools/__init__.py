@@ -44,7 +44,7 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
         agent = trainable(build_graph(), model, model_names=[MODEL_NAME], recursion_limit=8, timeout=300)
 
         async def play(task: CalcTask, n: int, seed: int) -> TrajectoryGroup:
-            return await agent.group(task.input(), n=n, reward=reward(task))
+            return await agent.group(task.input(), n=n, reward=reward(task), seed=seed)
 
         console.print(f"[bold]langgraph_tools[/]: a LangGraph calculator agent on {settings.base_model}, "
                       f"{settings.steps} steps x {settings.groups} questions x {settings.rollouts} rollouts")

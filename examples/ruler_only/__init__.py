@@ -68,12 +68,12 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
             return note
 
         async def play(task: CapitalTask, n: int, seed: int) -> TrajectoryGroup:
-            group = await agent.group(task.input(), n=n, reward=measured(task))
+            group = await agent.group(task.input(), n=n, reward=measured(task), seed=seed)
             scored = await ruler_score_group(group, seed=seed, swallow_exceptions=True, **judge)
             return scored if scored is not None else group  # a failed judge call leaves rewards equal: no signal
 
         async def measure(task: CapitalTask, n: int, seed: int) -> TrajectoryGroup:
-            return await agent.group(task.input(), n=n, reward=measured(task))
+            return await agent.group(task.input(), n=n, reward=measured(task), seed=seed)
 
         console.print(f"[bold]ruler_only[/]: {settings.base_model} trained on RULER scores from judge "
                       f"{settings.judge!r}")

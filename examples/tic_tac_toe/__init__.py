@@ -30,7 +30,7 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
         agent = trainable(build_graph(), model, model_names=[MODEL_NAME], recursion_limit=12, timeout=600)
 
         async def play(game: dict[str, Any], n: int, seed: int) -> TrajectoryGroup:
-            return await agent.group(dict(game), n=n, reward=reward)
+            return await agent.group(dict(game), n=n, reward=reward, seed=seed)
 
         console.print(f"[bold]tic_tac_toe[/]: {settings.base_model} plays X against a random O")
         return await learn(model, play, train_tasks=make_tasks(settings.steps * settings.groups, seed=settings.seed),

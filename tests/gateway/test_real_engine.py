@@ -125,3 +125,31 @@ async def test_load_on_the_continuously_batched_engine(tiny_gateway: Gateway):
                 assert alone.token_ids == record.completion_token_ids
                 greedy_checked += 1
     assert greedy_checked == 24
+
+
+async def test_the_seed_header_seeds_a_call_that_names_no_seed(tiny_gateway: Gateway):
+    """``X-Art-Seed`` (what a seeded rollout's adapter sends) samples as the body's ``seed`` does, on both APIs;
+    a body's own seed wins; a malformed header is a 400 that names it."""
+    url = tiny_gateway.rollout_base_url("seeded")
+    async with openai.AsyncOpenAI(base_url=url, api_key="k", max_retries=0) as client:
+        async def chat(**kwargs) -> list[int]:
+            reply = await client.chat.completions.with_raw_response.create(
+                model="agent", messages=USER, max_tokens=12, temperature=1.0, **kwargs)
+            return next(r for r in tiny_gateway.records.for_rollout("seeded")
+                        if r.request_id == reply.headers["X-Request-Id"]).completion_token_ids
+
+        by_body, by_header = await chat(seed=42), await chat(extra_headers={"X-Art-Seed": "42"})
+        assert by_body == by_header and len(by_body) == 12
+        assert await chat(extra_headers={"X-Art-Seed": "43"}) != by_body  # 12 tokens of a random model at T=1
+        assert await chat(seed=42, extra_headers={"X-Art-Seed": "43"}) == by_body  # the body's seed wins
+
+        async def responses(seed: str) -> str:
+            reply = await client.responses.create(model="agent", input="Hi!", max_output_tokens=12,
+                                                  extra_headers={"X-Art-Seed": seed})
+            return reply.output_text
+
+        assert await responses("7") == await responses("7") != await responses("8")
+        for bad in ("-1", "1.5", "x", str(2**63)):
+            with pytest.raises(openai.BadRequestError, match="X-Art-Seed") as caught:
+                await chat(extra_headers={"X-Art-Seed": bad})
+            assert caught.value.code == "invalid_seed"

@@ -416,7 +416,9 @@ class TransformersEngine:
             p = request.params
             constrained = p.json_schema is not None or p.grammar is not None
             for k in range(p.n):
-                generator = torch.Generator().manual_seed(p.seed * 1_000_003 + k) if p.seed is not None else None
+                # Any integer seed: torch takes 64 bits, so a large one is folded (small ones are unchanged).
+                generator = (torch.Generator().manual_seed((p.seed * 1_000_003 + k) % 2**64)
+                             if p.seed is not None else None)
                 matcher = self._json_guide().matcher(p.json_schema, grammar=p.grammar) if constrained else None
                 request.rows.append(_Row(request, k, generator, matcher))
             rows += request.rows

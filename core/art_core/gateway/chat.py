@@ -16,7 +16,7 @@ from fastapi.responses import Response
 
 from .completion import Answer, Completion, Done, TextDelta, ToolCallDelta, json_body, new_request_id, validate_chat
 from .schemas import ChatCompletion, Choice, ChoiceLogprobs, ResponseMessage, TokenLogprob, Usage
-from .state import call_headers, request_scope
+from .state import call_headers, request_scope, request_seed
 from .streaming import ClientGone, open_stream, sse, until_done
 
 __all__ = ["router"]
@@ -31,7 +31,7 @@ async def chat_completions(request: Request) -> Response:
     raw = await json_body(request)
     body = validate_chat(raw)
     completion = Completion(state, body, raw, endpoint="chat.completions", rollout_id=rollout_id, caller=caller,
-                            request_id=new_request_id("chatcmpl-"))
+                            request_id=new_request_id("chatcmpl-"), seed=request_seed(request))
     try:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

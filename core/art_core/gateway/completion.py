@@ -174,6 +174,7 @@ class Completion:
         endpoint: the API the request came through.
         rollout_id: the rollout it belongs to, if any.
         caller: the ``X-Art-Caller`` label, if any.
+        seed: the ``X-Art-Seed`` header's seed, used when the body names no ``seed``.
         request_id: the response's id (``chatcmpl-...``, ``resp_...``).
         tools: the chat-format tool schemas as sent (default: ``raw["tools"]``).
 
@@ -183,7 +184,7 @@ class Completion:
 
     def __init__(self, state: GatewayState, body: ChatCompletionRequest, raw: dict[str, Any], *, endpoint: Endpoint,
                  rollout_id: str | None, caller: str | None, request_id: str,
-                 tools: list[dict[str, Any]] | None = None) -> None:
+                 tools: list[dict[str, Any]] | None = None, seed: int | None = None) -> None:
         self.started = time.perf_counter()
         self.created = time.time()
         if body.model_extra:
@@ -191,7 +192,7 @@ class Completion:
         check_model(body.model, state.settings, state.engine.adapter_step)
         self.state, self.body, self.raw, self.endpoint = state, body, raw, endpoint
         self.rollout_id, self.caller, self.request_id = rollout_id, caller, request_id
-        self.params = sampling_params(body, state)
+        self.params = sampling_params(body, state, seed=seed)
         # The template sees the tools unless tool_choice is "none"; then no calls are parsed either.
         offered = bool(body.tools) and body.tool_choice != "none"
         self.tools = (tools if tools is not None else raw["tools"]) if offered else None
@@ -373,8 +374,13 @@ class Completion:
         return logprob_entries(token_ids, logprobs, top, self.state.detokenizer, max(self.top_n, 0))
 
 
-def sampling_params(body: ChatCompletionRequest, state: GatewayState) -> SamplingParams:
+def sampling_params(body: ChatCompletionRequest, state: GatewayState, *, seed: int | None = None) -> SamplingParams:
     """The engine's sampling parameters for a chat request.
+
+    Args:
+        body: the request.
+        state: the app's state (token limits).
+        seed: the seed to sample with when the body names none (the ``X-Art-Seed`` header).
 
     Raises:
         APIError: 400 for a token limit above the gateway's, or ``tool_choice`` combined with ``response_format``.
@@ -407,7 +413,7 @@ def sampling_params(body: ChatCompletionRequest, state: GatewayState) -> Samplin
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         stop=body.stop_strings(),
-        seed=body.seed,
+        seed=body.seed if body.seed is not None else seed,
         n=body.n or 1,
         top_logprobs=body.top_logprobs or 0,
         json_schema=json_schema,

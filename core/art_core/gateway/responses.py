@@ -44,7 +44,7 @@ from .completion import Answer, Completion, Done, TextDelta, ToolCallDelta, json
 from .errors import APIError
 from .schemas import ChatCompletionRequest, FunctionDefinition, JsonSchemaFormat, TokenLogprob
 from .served import check_model
-from .state import call_headers, request_scope
+from .state import call_headers, request_scope, request_seed
 from .streaming import ClientGone, open_stream, sse, until_done
 
 __all__ = ["ResponseObject", "ResponsesRequest", "router"]
@@ -277,7 +277,7 @@ async def create_response(request: Request) -> Response:
                   for tool in raw.get("tools") or []]
     chat = _as_chat_request(body, _chat_messages(body.instructions, items), chat_tools)
     completion = Completion(state, chat, raw, endpoint="responses", rollout_id=rollout_id, caller=caller,
-                            request_id=new_request_id("resp_"), tools=chat_tools)
+                            request_id=new_request_id("resp_"), tools=chat_tools, seed=request_seed(request))
     try:
         if body.stream:
             return await open_stream(request, completion.events(),

@@ -16,12 +16,16 @@ from .settings import GatewaySettings
 from .tokens import Detokenizer
 
 __all__ = ["ADAPTER_STEP_HEADER", "CALLER_HEADER", "COMPLETION_TOKENS_HEADER", "PROMPT_TOKENS_HEADER",
-           "REQUEST_ID_HEADER", "ROLLOUT_ID_PATTERN", "GatewayState", "call_headers", "check_rollout_id", "get_state",
-           "request_scope", "rollout_scope"]
+           "REQUEST_ID_HEADER", "ROLLOUT_ID_PATTERN", "SEED_HEADER", "GatewayState", "call_headers", "check_rollout_id",
+           "get_state", "request_scope", "request_seed", "rollout_scope"]
 
 CALLER_HEADER = "X-Art-Caller"
 """Names the part of an agent that made a call (a graph node, an agent); kept in the call's record."""
 _CALLER = re.compile(r"^[^\x00-\x1f\x7f]{1,200}$")
+SEED_HEADER = "X-Art-Seed"
+"""The sampling seed for a call whose body names none (``seed`` in chat completions; the Responses API has no
+such field): the adapters send one per call of a seeded rollout, so that a run can be replayed."""
+_SEED_LIMIT = 2**63
 
 # Sent with every completion (streamed too: generation is done before the first byte), so a client or an
 # observer in the client's process (art_plugins.langfuse) learns what served the call without reading the body.
@@ -122,6 +126,22 @@ def _rollout_of(request: Request) -> str | None:
             param="rollout_id", code="invalid_rollout_id",
         )
     return from_path if from_path is not None else from_header
+
+
+def request_seed(request: Request) -> int | None:
+    """The ``X-Art-Seed`` header as an integer (None when absent).
+
+    Raises:
+        APIError: 400 when it is not a whole number from 0 to 2**63 - 1.
+    """
+    value = request.headers.get(SEED_HEADER)
+    if value is None:
+        return None
+    seed = int(value) if value.isdigit() and len(value) <= 19 else -1
+    if not 0 <= seed < _SEED_LIMIT:
+        raise APIError(400, f"the {SEED_HEADER} header {value[:40]!r} is invalid: send a whole number from 0 to "
+                       f"{_SEED_LIMIT - 1}", param=SEED_HEADER, code="invalid_seed")
+    return seed
 
 
 def _caller_of(request: Request) -> str | None:
