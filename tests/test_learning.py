@@ -4,7 +4,8 @@ Slow (several minutes on 2 cores); CI runs it. The agent is ``examples/langgraph
 ``make demo`` trains), run through ``art_plugins.langgraph.trainable`` on the real gateway: a calculator
 that must call the right tool with the right numbers, then answer with the result. The base model does
 the whole job in a minority of held-out runs; a few GRPO steps must raise that rate by a margin well
-beyond its sampling noise.
+beyond its sampling noise. The evaluation is seeded: 20 tasks x 2 runs, the same draws before and after
+(10 tasks were too few: their seeded draw gave 50%, while 20 tasks gave 27.5-35% over four seeds).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ async def test_grpo_steps_raise_the_agents_held_out_success(smollm2_dir, tmp_pat
     result = await langgraph_tools.run(settings)
     (tmp_path / "result.json").write_text(json.dumps(result.to_json()))  # pytest keeps tmp_path for inspection
     print(result.to_json())
+    # The held-out runs are seeded (``agent.group(..., seed=)``), so "before" is the same draw every time.
     assert 0.05 <= result.success_before <= 0.45  # the base model does the job sometimes: GRPO has signal
-    # Measured: 30% -> 100% (seed 0, 20 held-out runs); 20 points is the issue's bar, ~1.5 standard errors.
+    # Measured: 30% -> 85% (seed 0, 40 held-out runs); 20 points is the issue's bar, ~2 standard errors.
     assert result.success_after >= result.success_before + 0.20
     assert sum(result.rewards[-3:]) > sum(result.rewards[:3])  # the training reward rose too
     assert (result.model_dir / "checkpoints").is_dir() and result.curve_png and result.curve_png.is_file()

@@ -17,7 +17,7 @@ from .agent import MODEL_NAME, CalcTask, build_graph, make_tasks, reward
 
 __all__ = ["DEFAULTS", "main", "run"]
 
-DEFAULTS = ExampleSettings(steps=5, groups=2, rollouts=6, held_out=10, eval_rollouts=2, learning_rate=2e-3)
+DEFAULTS = ExampleSettings(steps=5, groups=2, rollouts=6, held_out=20, eval_rollouts=2, learning_rate=2e-3)
 """Sized for 2 CPU cores: about 10 minutes on the embedded model."""
 
 
