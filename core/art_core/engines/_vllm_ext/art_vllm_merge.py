@@ -6,10 +6,18 @@ of the adapter weights (``lora/ops/torch_ops``), around 20 extra small ops per l
 cut decode speed from 83 to 48.5 tokens/s on SmolLM2-135M. Merged weights decode at the base model's speed.
 
 ``art_merge_adapter(adapter_dir)`` computes ``W + scale * B @ A`` (float32, or float64 when the model is)
-for every adapted weight of the base checkpoint and reloads all weights in place through vLLM's own
-``reload_weights`` (which re-packs the CPU GEMM weights), so no file is written. Every check runs before the
-first weight changes; the method returns ``{"ok": False, "error": ...}`` instead of raising, because the RPC
-route would turn an exception into a bare 500.
+for every adapted weight and reloads, in place through vLLM's own ``reload_weights`` (which re-packs the CPU
+GEMM weights), only the layers that change: those the adapter adapts, those the previous adapter adapted (back
+to base), and the checkpoint modules vLLM packs with them (``q_proj``/``k_proj``/``v_proj`` into ``qkv_proj``,
+``gate_proj``/``up_proj`` into ``gate_up_proj``), biases included. No file is written, and the base checkpoint
+is not re-read per step: its tensors are kept as the zero-copy views safetensors maps from the file. Every
+check runs before the first weight changes; the method returns ``{"ok": False, "error": ...}`` instead of
+raising, because the RPC route would turn an exception into a bare 500.
+
+Where a whole-model reload's time went (py-spy, SmolLM2-135M fp32, ~1.3 s a step): packing the oneDNN GEMM
+weights 27% (the tied embedding / LM head alone 15%), copying the embedding through its loader 13%, the merge
+itself 21% (``(B @ A) * s`` then ``W + ...``: two passes and a temporary), setting up the layerwise reload 18%.
+Skipping the embeddings and norms and merging with one ``addmm`` brought it to about 0.55 s.
 """
 
 from __future__ import annotations
@@ -241,5 +249,6 @@ class MergedAdapterExtension:
     def _art_base(self) -> BaseCheckpoint:
         base = getattr(self, "_art_checkpoint", None)
         if base is None:
-            base = self._art_checkpoint = BaseCheckpoint(Path(self.vllm_config.model_config.model))  # type: ignore[attr-defined]
+            folder = Path(self.vllm_config.model_config.model)  # type: ignore[attr-defined]
+            base = self._art_checkpoint = BaseCheckpoint(folder)
         return base
