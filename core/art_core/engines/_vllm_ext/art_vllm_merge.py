@@ -14,10 +14,11 @@ is not re-read per step: its tensors are kept as the zero-copy views safetensors
 check runs before the first weight changes; the method returns ``{"ok": False, "error": ...}`` instead of
 raising, because the RPC route would turn an exception into a bare 500.
 
-Where a whole-model reload's time went (py-spy, SmolLM2-135M fp32, ~1.3 s a step): packing the oneDNN GEMM
-weights 27% (the tied embedding / LM head alone 15%), copying the embedding through its loader 13%, the merge
-itself 21% (``(B @ A) * s`` then ``W + ...``: two passes and a temporary), setting up the layerwise reload 18%.
-Skipping the embeddings and norms and merging with one ``addmm`` brought it to about 0.55 s.
+Where a whole-model reload's time went (py-spy samples, SmolLM2-135M fp32, 1.2-1.7 s a step): packing the
+oneDNN GEMM weights 27% (the tied embedding / LM head alone 15%), copying the embedding through its loader
+13%, the merge itself 21% (``(B @ A) * s`` then ``W + ...``: two passes and a temporary), setting up the
+layerwise reload 18%. Skipping the embeddings and norms and merging with one ``addmm`` brought a step's load
+to 0.44-0.76 s in ``tests/benchmarks/loop_engines.py`` (the first one up to 1.3 s, while the file's pages map in).
 """
 
 from __future__ import annotations
