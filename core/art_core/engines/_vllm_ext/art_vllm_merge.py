@@ -18,7 +18,7 @@ Where a whole-model reload's time went (py-spy samples, SmolLM2-135M fp32, 1.2-1
 oneDNN GEMM weights 27% (the tied embedding / LM head alone 15%), copying the embedding through its loader
 13%, the merge itself 21% (``(B @ A) * s`` then ``W + ...``: two passes and a temporary), setting up the
 layerwise reload 18%. Skipping the embeddings and norms and merging with one ``addmm`` brought a step's load
-to 0.44-0.76 s in ``tests/benchmarks/loop_engines.py`` (the first one up to 1.3 s, while the file's pages map in).
+to 0.44-0.76 s in ``tests/benchmarks/loop_engines.py`` (the first one up to 1.3 s; not broken down).
 """
 
 from __future__ import annotations
