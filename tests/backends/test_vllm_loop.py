@@ -151,6 +151,68 @@ async def test_a_checkpoint_vllm_cannot_merge_is_refused_before_any_weight_chang
     assert engine.adapter_step == step and await greedy() == before  # the weights did not change
 
 
+def _random_adapter(base_dir: Path, folder: Path, targets: list[str], seed: int) -> Path:
+    """A PEFT LoRA on ``targets`` with a random (non-zero) B, so that it moves the outputs."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype="float32"),
+                                    LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=targets))
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0.0, 0.2)
+    peft_model.save_pretrained(folder)
+    return folder
+
+
+async def test_a_narrower_adapter_puts_the_base_weights_back_where_the_last_one_was(
+        served: tuple[TrainableModel, LocalBackend], tiny64_model_dir: Path, tmp_path: Path) -> None:
+    # vLLM reloads only the layers an adapter adapts (with the layers it packs them into) and the layers the
+    # previous adapter adapted: after one on every linear layer, one on v_proj and up_proj alone must serve
+    # exactly base + itself (k_proj, o_proj, down_proj... back to the base weights; q and k beside v in qkv_proj).
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from art_core.engines.base import SamplingParams
+
+    model, backend = served
+    (slot,) = backend._slots.values()  # the one registered model's engine (no public handle to it)
+    engine, step = slot.engine, slot.engine.adapter_step
+    wide = _random_adapter(tiny64_model_dir, tmp_path / "wide", ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                  "gate_proj", "up_proj", "down_proj"], seed=1)
+    narrow = _random_adapter(tiny64_model_dir, tmp_path / "narrow", ["v_proj", "up_proj"], seed=2)
+    prompt = list(engine.tokenizer.encode("Name a color, then a number:", add_special_tokens=False))
+
+    def reference(adapter: Path, completion: list[int]) -> torch.Tensor:
+        peft_model = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(tiny64_model_dir, dtype="float32"), adapter).eval()
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logits = peft_model(ids).logits[0, len(prompt) - 1:-1].float()
+        return logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+    try:
+        await engine.load_adapter(wide, step + 20)
+        await engine.load_adapter(narrow, step + 21)
+        (out,) = await engine.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0))
+        assert out.adapter_step == step + 21 and len(out.token_ids) > 0
+        want = reference(narrow, out.token_ids)
+        gap = (torch.tensor(out.logprobs) - want).abs().max().item()
+        stale = (reference(wide, out.token_ids) - want).abs().max().item()
+        print(f"\nnarrow adapter after a wide one: served vs PEFT log-prob gap {gap:.1e} (the wide adapter "
+              f"alone is {stale:.1e} away: a layer left merged would show)")
+        assert stale > 1e-2
+        assert gap <= 1e-4
+    finally:  # serve the trained checkpoint again, for the tests after this one
+        await engine.load_adapter(model.model_dir / "checkpoints" / f"{step:04d}", step)
+    assert engine.adapter_step == step
+
+
 async def test_vllm_dying_mid_rollout_names_its_log_and_keeps_the_step_on_disk(
         served: tuple[TrainableModel, LocalBackend]) -> None:
     # Last in the module: it kills the shared server, while a LangGraph group's calls are being decoded.

@@ -92,3 +92,25 @@ def test_unmergeable_adapters_are_refused_before_any_weight_changes(tiny_model_d
     (plain / "adapter_config.json").write_text(json.dumps({**config, "modules_to_save": ["lm_head"]}))
     with pytest.raises(AdapterError, match="modules_to_save"):
         read_deltas(plain, shapes)
+
+
+def test_a_partial_reload_takes_whole_packed_layers(tiny_model_dir: Path) -> None:
+    from art_core.engines._vllm_ext.art_vllm_merge import BaseCheckpoint, layer_tensors
+
+    base = BaseCheckpoint(tiny_model_dir)
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    names = layer_tensors({"model.layers.1.self_attn.v_proj.weight", "model.layers.0.mlp.up_proj.weight"},
+                          base.shapes, packed)
+    # v_proj comes with q_proj and k_proj (one qkv_proj in vLLM), biases included; up_proj with gate_proj.
+    attention = {f"model.layers.1.self_attn.{m}_proj.{p}" for m in "qkv" for p in ("weight", "bias")}
+    assert set(names) == attention | {"model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"}
+    assert names == [name for name in base.shapes if name in names]  # in the checkpoint's order
+    assert layer_tensors(set(), base.shapes, packed) == []
+    # Read once, then the same tensors (views of the file, not copies) every time.
+    first, again = base.tensors(names), base.tensors(names)
+    assert all(a is b for (_, a), (_, b) in zip(first, again, strict=True))
+    with safe_open(str(tiny_model_dir / "model.safetensors"), framework="pt") as handle:
+        assert all(torch.equal(tensor, handle.get_tensor(name)) for name, tensor in first)
+    with pytest.raises(AdapterError, match="no model.layers.0.mlp.gate_proj"):
+        layer_tensors({"model.layers.0.mlp.up_proj.weight"},
+                      {k: v for k, v in base.shapes.items() if "gate_proj" not in k}, packed)
