@@ -32,6 +32,7 @@ from .auth import BearerAuth
 from .control import GatewayControl
 from .errors import error_response, install_error_handlers
 from .metrics import GatewayMetrics
+from .prompt_encoder import PromptEncoder
 from .records import RecordStore
 from .settings import GatewaySettings
 from .state import GatewayState, check_rollout_id, get_state
@@ -69,6 +70,7 @@ def create_app(
         control=control if control is not None else GatewayControl(engine),
         metrics=metrics if metrics is not None else GatewayMetrics(),
         detokenizer=Detokenizer(engine.tokenizer),
+        prompt_encoder=PromptEncoder(engine.tokenizer),
     )
     app = FastAPI(title="art-core gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = state

@@ -198,7 +198,8 @@ class Completion:
         self.tools = (tools if tools is not None else raw["tools"]) if offered else None
         self.tool_names = [t.function.name for t in body.tools or []] if offered else None
         self.messages = [m.model_dump(exclude_none=True) for m in body.messages]  # dumped once: template and record
-        self.prompt_ids = render_prompt(state.engine.tokenizer, self.messages, self.tools)
+        self.prompt_ids = render_prompt(state.engine.tokenizer, self.messages, self.tools,
+                                        encoder=state.prompt_encoder)
         self.top_n = body.top_logprobs or 0 if body.logprobs else -1  # -1: no logprobs for the client
 
     async def answers(self) -> list[Answer]:
