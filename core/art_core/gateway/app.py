@@ -21,6 +21,7 @@ Routes:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -39,6 +40,13 @@ from .state import GatewayState, check_rollout_id, get_state
 from .tokens import Detokenizer
 
 __all__ = ["create_app"]
+
+# Recent FastAPI (0.165 here) traces and meters every request through the host program's global OpenTelemetry providers
+# once any is set (Langfuse sets one): a span per completion call in the user's traces, and, even with none
+# set, a provider look-up per request. The gateway's calls are recorded by the gateway itself.
+_NO_NATIVE_TELEMETRY: dict[str, Any] = (
+    {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
 
 
 def create_app(
@@ -72,7 +80,7 @@ def create_app(
         detokenizer=Detokenizer(engine.tokenizer),
         prompt_encoder=PromptEncoder(engine.tokenizer),
     )
-    app = FastAPI(title="art-core gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="art-core gateway", docs_url=None, redoc_url=None, openapi_url=None, **_NO_NATIVE_TELEMETRY)
     app.state.gateway = state
     install_error_handlers(app)
     for prefix in ("/v1", "/rollouts/{rollout_id}/v1"):
