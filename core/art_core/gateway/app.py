@@ -21,6 +21,7 @@ Routes:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -32,12 +33,20 @@ from .auth import BearerAuth
 from .control import GatewayControl
 from .errors import error_response, install_error_handlers
 from .metrics import GatewayMetrics
+from .prompt_encoder import PromptEncoder
 from .records import RecordStore
 from .settings import GatewaySettings
 from .state import GatewayState, check_rollout_id, get_state
 from .tokens import Detokenizer
 
 __all__ = ["create_app"]
+
+# Recent FastAPI (0.165 here) traces and meters every request through the host program's global OpenTelemetry providers
+# once any is set (Langfuse sets one): a span per completion call in the user's traces, and, even with none
+# set, a provider look-up per request. The gateway's calls are recorded by the gateway itself.
+_NO_NATIVE_TELEMETRY: dict[str, Any] = (
+    {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
 
 
 def create_app(
@@ -69,8 +78,9 @@ def create_app(
         control=control if control is not None else GatewayControl(engine),
         metrics=metrics if metrics is not None else GatewayMetrics(),
         detokenizer=Detokenizer(engine.tokenizer),
+        prompt_encoder=PromptEncoder(engine.tokenizer),
     )
-    app = FastAPI(title="art-core gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="art-core gateway", docs_url=None, redoc_url=None, openapi_url=None, **_NO_NATIVE_TELEMETRY)
     app.state.gateway = state
     install_error_handlers(app)
     for prefix in ("/v1", "/rollouts/{rollout_id}/v1"):

@@ -43,12 +43,14 @@ async def chat_completions(request: Request) -> Response:
     except ClientGone:
         return Response(status_code=499)  # nginx's "client closed request": nobody reads it
     usage = _usage(completion, answers)
-    result = ChatCompletion(
+    # Built from values the pipeline made and typed itself: constructed without validating them again.
+    result = ChatCompletion.model_construct(
         id=completion.request_id, created=int(completion.created), model=body.model, usage=usage,
         system_fingerprint=f"adapter-{answers[0].adapter_step}",
-        choices=[Choice(index=a.index, message=_message(a), finish_reason=a.finish_reason,  # type: ignore[arg-type]
-                        logprobs=ChoiceLogprobs(content=a.logprobs) if a.logprobs is not None else None)
-                 for a in answers],
+        choices=[Choice.model_construct(
+            index=a.index, message=_message(a), finish_reason=a.finish_reason,
+            logprobs=ChoiceLogprobs.model_construct(content=a.logprobs) if a.logprobs is not None else None)
+            for a in answers],
     )
     # Serialised once, by pydantic's Rust serialiser (not model_dump() and then json.dumps again).
     headers = call_headers(completion.request_id, answers[0].adapter_step, usage.prompt_tokens, usage.completion_tokens)
@@ -93,8 +95,8 @@ async def _chunks(completion: Completion, events: AsyncIterator[TextDelta | Tool
 
 def _usage(completion: Completion, answers: list[Answer]) -> Usage:
     prompt, generated = len(completion.prompt_ids), sum(a.completion_tokens for a in answers)
-    return Usage(prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated)
+    return Usage.model_construct(prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated)
 
 
 def _message(answer: Answer) -> ResponseMessage:
-    return ResponseMessage(content=answer.content, tool_calls=answer.tool_calls or None)
+    return ResponseMessage.model_construct(content=answer.content, tool_calls=answer.tool_calls or None)

@@ -20,8 +20,8 @@ import contextlib
 import json
 import logging
 import math
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -198,7 +198,8 @@ class Completion:
         self.tools = (tools if tools is not None else raw["tools"]) if offered else None
         self.tool_names = [t.function.name for t in body.tools or []] if offered else None
         self.messages = [m.model_dump(exclude_none=True) for m in body.messages]  # dumped once: template and record
-        self.prompt_ids = render_prompt(state.engine.tokenizer, self.messages, self.tools)
+        self.prompt_ids = render_prompt(state.engine.tokenizer, self.messages, self.tools,
+                                        encoder=state.prompt_encoder)
         self.top_n = body.top_logprobs or 0 if body.logprobs else -1  # -1: no logprobs for the client
 
     async def answers(self) -> list[Answer]:
@@ -223,7 +224,9 @@ class Completion:
         choices = [_Choice(i, TextStream(state.detokenizer, params.stop) if live else None,
                            ToolCallStream(tool_names=self.tool_names) if live and self.tool_names is not None else None)
                    for i in range(params.n)]
-        pump = _EnginePump(state, _engine_errors(stream_tokens(state.engine, self.prompt_ids, params), params))
+        tokens = stream_tokens(state.engine, self.prompt_ids, params)
+        pump: _EnginePump | _EngineReader = (_EnginePump(state, _engine_errors(tokens, params)) if live
+                                             else _EngineReader(state, tokens, params))
         cancelled = False
         try:
             async for delta, arrived in pump:
@@ -485,7 +488,7 @@ class _EnginePump:
         """Cancel the engine's side if it is still running, and wait until its rows are released."""
         if not self._task.done():
             self._task.cancel()
-        await asyncio.wait([self._task])
+            await asyncio.wait([self._task])
 
     def left_over(self) -> list[tuple[TokenDelta, float]]:
         """The tokens sampled but not yet read (after ``stop``)."""
@@ -495,6 +498,47 @@ class _EnginePump:
             if isinstance(item, tuple):
                 items.append(item)
         return items
+
+
+class _EngineReader:
+    """``_EnginePump``'s interface, reading the engine in the request's own task: for a completion answered as
+    one JSON object. Its reader collects every token as it comes, so there is no slow client to outlast, and
+    the pump's task and queue would only add time (about a tenth of the gateway's own per call).
+    """
+
+    def __init__(self, state: GatewayState, tokens: AsyncIterator[TokenDelta], params: SamplingParams) -> None:
+        self.waited = 0.0
+        """Seconds the request was held by a training pause."""
+        self.engine_called = 0.0
+        self._state = state
+        self._tokens = tokens
+        self._params = params
+        self._read = self._deltas()
+
+    async def _deltas(self) -> AsyncIterator[tuple[TokenDelta, float]]:
+        # _engine_errors' mapping written in, rather than one more generator layer to pass every token through
+        try:
+            async with self._state.control.admitted() as self.waited:
+                self.engine_called = time.perf_counter()
+                async for delta in self._tokens:
+                    yield delta, time.perf_counter()
+        except (APIError, GeneratorExit, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            raise _engine_failure(exc, self._params) from exc
+        finally:
+            await self._tokens.aclose()  # type: ignore[attr-defined]
+
+    def __aiter__(self) -> AsyncIterator[tuple[TokenDelta, float]]:
+        return self._read
+
+    async def stop(self) -> None:
+        """Close the engine's side (when the reading stopped early) so that its rows are released."""
+        await self._read.aclose()  # type: ignore[attr-defined]
+
+    def left_over(self) -> list[tuple[TokenDelta, float]]:
+        """Nothing: every token the engine handed out has been read."""
+        return []
 
 
 # --- helpers ------------------------------------------------------------------------------------------
@@ -533,18 +577,22 @@ async def _engine_errors(tokens: AsyncIterator[TokenDelta], params: SamplingPara
             yield delta
     except (APIError, GeneratorExit, asyncio.CancelledError):
         raise
-    except ConstraintError as exc:
-        raise APIError(400, f"{exc}: send a JSON schema (response_format, tool parameters) this engine can enforce",
-                       param="response_format" if params.grammar is None else "tools",
-                       code="unsupported_schema") from exc
-    except LifecycleError as exc:
-        logger.warning("engine unavailable: %s", exc)
-        raise APIError(503, f"the engine is not available: {exc}", code="engine_unavailable") from exc
     except Exception as exc:
-        logger.exception("engine.generate failed")
-        raise APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", code="engine_error") from exc
+        raise _engine_failure(exc, params) from exc
     finally:
         await tokens.aclose()  # type: ignore[attr-defined]
+
+
+def _engine_failure(exc: Exception, params: SamplingParams) -> APIError:
+    """The API's error for an engine failure: 400 (a schema it cannot enforce), 503 (unavailable) or 500."""
+    if isinstance(exc, ConstraintError):
+        return APIError(400, f"{exc}: send a JSON schema (response_format, tool parameters) this engine can enforce",
+                        param="response_format" if params.grammar is None else "tools", code="unsupported_schema")
+    if isinstance(exc, LifecycleError):
+        logger.warning("engine unavailable: %s", exc)
+        return APIError(503, f"the engine is not available: {exc}", code="engine_unavailable")
+    logger.exception("engine.generate failed")
+    return APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", code="engine_error")
 
 
 def _text(token_id: int, detokenizer: Detokenizer) -> str:
@@ -557,5 +605,5 @@ def _finite(logprob: float) -> float:
 
 
 def new_request_id(prefix: str) -> str:
-    """A fresh response id: ``prefix`` and 32 hex digits."""
-    return f"{prefix}{uuid.uuid4().hex}"
+    """A fresh response id: ``prefix`` and 32 random hex digits."""
+    return prefix + os.urandom(16).hex()  # as random as uuid4().hex, without building a UUID

@@ -119,7 +119,7 @@ class RecordStore:
 
     def add(self, record: ExchangeRecord) -> None:
         """Append ``record`` to the file (flushed) and to the index."""
-        line = record.model_dump_json() + "\n"
+        line = record.model_dump_json() + "\n" if self.path is not None else ""  # serialised only to be written
         with self._lock:
             if self.path is not None:
                 # Flushed to the OS before the client is answered: a process crash loses nothing answered.

@@ -13,6 +13,7 @@ from .errors import APIError
 from .metrics import GatewayMetrics
 from .records import RecordStore
 from .settings import GatewaySettings
+from .prompt_encoder import PromptEncoder
 from .tokens import Detokenizer
 
 __all__ = ["ADAPTER_STEP_HEADER", "CALLER_HEADER", "COMPLETION_TOKENS_HEADER", "PROMPT_TOKENS_HEADER",
@@ -67,6 +68,7 @@ class GatewayState:
     control: GatewayControl
     metrics: GatewayMetrics
     detokenizer: Detokenizer
+    prompt_encoder: PromptEncoder
 
 
 async def get_state(request: Request) -> GatewayState:

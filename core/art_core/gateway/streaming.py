@@ -44,13 +44,35 @@ def sse(data: dict[str, Any] | str, *, event: str | None = None) -> bytes:
 async def until_done(request: Request, work: Awaitable[T]) -> T:
     """``await work``, cancelled as soon as the client disconnects.
 
+    The work runs in the caller's task and only the watcher gets a task of its own: on the hot path of
+    every non-streamed call, a second task and ``asyncio.wait`` cost about a tenth of the gateway's time.
+
     Raises:
         ClientGone: the client went away first (``work`` was cancelled and has finished cleaning up).
     """
-    task = await _run_while_connected(request.receive, work)
-    if task.cancelled():
-        raise ClientGone()
-    return task.result()
+    caller = asyncio.current_task()
+    assert caller is not None  # a route always runs in a task
+    left = False
+
+    async def watch() -> None:
+        nonlocal left
+        await _disconnected(request.receive)
+        left = True
+        caller.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        result = await work
+    except asyncio.CancelledError:
+        # Ours only when the watcher cancelled and nobody else did too (the server shutting down, say).
+        if left and caller.uncancel() == 0:
+            raise ClientGone() from None
+        raise
+    finally:
+        watcher.cancel()
+    if left:  # the client left as the work finished: take the cancellation back, the answer is ready
+        caller.uncancel()
+    return result
 
 
 async def open_stream(request: Request, events: AsyncIterator[E],

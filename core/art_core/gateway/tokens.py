@@ -12,6 +12,7 @@ from typing import Any
 
 from ..messages import template_messages
 from .errors import APIError
+from .prompt_encoder import PromptEncoder
 
 __all__ = ["Detokenizer", "TextStream", "render_prompt"]
 
@@ -22,10 +23,13 @@ logger = logging.getLogger(__name__)
 _KEEP_SPECIAL = ("<tool_call>", "</tool_call>", "<|python_tag|>")
 
 
-def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *,
+                  encoder: PromptEncoder | None = None) -> list[int]:
     """Prompt token ids: the conversation through the chat template, ending with the assistant's header.
 
     ``messages`` are OpenAI chat messages; ``art_core.messages.template_messages`` converts them first.
+    ``encoder`` (the gateway's, built on ``tokenizer``) reuses the ids of text seen in earlier prompts;
+    without it the text is encoded whole. The ids are the same either way.
 
     Raises:
         APIError: 422 when the template refuses the conversation (e.g. an image part for a text model);
@@ -42,7 +46,7 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[di
             422, f"this model's chat template cannot render the conversation: {exc}", param="messages",
             code="unsupported_content",
         ) from exc
-    ids = encode_text(tokenizer, text)
+    ids = encoder.encode(text) if encoder is not None else encode_text(tokenizer, text)
     context = getattr(tokenizer, "model_max_length", None)
     if isinstance(context, int) and context < 10**8 and len(ids) >= context:  # huge values mean "not set"
         raise APIError(
