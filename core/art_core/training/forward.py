@@ -30,7 +30,13 @@ __all__ = [
     "native_gqa_attention",
 ]
 
-LOGPROB_CHUNK = 256  # trained positions per LM-head chunk: 256 x 49k vocab x fp32 = 48 MiB per temporary
+# The LM head's chunks are sized in bytes: each chunk holds two [rows, vocab] temporaries (the log-softmax and the
+# softmax), each made just over 32 MiB, glibc's ceiling for serving an allocation from the heap. Larger ones are
+# always their own mapping, handed back to the system when freed; smaller ones (24 MiB) are cut from the heap, which
+# fragments it and keeps them resident after the step (measured: +70 MiB of heap per step). Rows for SmolLM2's
+# 49k vocabulary in fp32: 171; three temporaries of 256 rows (48 MiB each) was the old peak.
+LOGPROB_CHUNK_BYTES = 32 * 2**20 + 1
+LOGPROB_CHUNK = "auto"
 
 
 @dataclass
@@ -87,7 +93,7 @@ def micro_batch_logprobs(
     prefix: SharedPrefix | None,
     *,
     with_entropy: bool = False,
-    chunk_size: int | None = LOGPROB_CHUNK,
+    chunk_size: int | str | None = LOGPROB_CHUNK,
 ) -> TokenLogprobs:
     """Log-probabilities of a micro-batch's trained tokens under ``model``.
 
@@ -103,8 +109,9 @@ def micro_batch_logprobs(
         batch: suffixes of one prefix group (``batch.input_ids`` is [B, T]).
         prefix: the group's shared prefix, or None when the sequences start at position 0.
         with_entropy: also return the policy's entropy at trained positions (for monitoring).
-        chunk_size: trained positions per chunk of the LM head (bounds its memory to chunk x vocab); None takes
-            the model's full logits instead (the reference path, kept for heads the chunked one cannot run).
+        chunk_size: trained positions per chunk of the LM head (bounds its memory to chunk x vocab); ``"auto"``
+            sizes chunks by ``LOGPROB_CHUNK_BYTES``; None takes the model's full logits instead (the reference path,
+            kept for heads the chunked one cannot run).
 
     Returns:
         ``TokenLogprobs``: ``logprobs`` [B, T] with a gradient, ``entropy`` [B, T] detached or None.
@@ -157,7 +164,7 @@ def chunked_token_logprobs(
     weight: torch.Tensor,
     targets: torch.Tensor,
     *,
-    chunk_size: int = LOGPROB_CHUNK,
+    chunk_size: int | str = LOGPROB_CHUNK,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log_softmax(hidden @ weight.T)[i, targets[i]]`` for each row, a chunk of rows at a time.
@@ -166,7 +173,8 @@ def chunked_token_logprobs(
         hidden: ``[N, H]`` final hidden states (after the model's last norm); may carry a gradient.
         weight: ``[V, H]`` the LM head's weight; must not require a gradient (frozen, as under LoRA).
         targets: ``[N]`` token ids.
-        chunk_size: rows per chunk: the largest temporary is ``chunk_size x V``.
+        chunk_size: rows per chunk (the largest temporary is ``chunk_size x V``), or ``"auto"``: as many rows as make
+            a temporary just over ``LOGPROB_CHUNK_BYTES``.
         with_entropy: also return each row's entropy (detached).
 
     Returns:
@@ -177,6 +185,10 @@ def chunked_token_logprobs(
     """
     if weight.requires_grad:
         raise ValueError("chunked_token_logprobs does not train the LM head; use the model's logits instead")
+    if chunk_size == "auto":
+        chunk_size = LOGPROB_CHUNK_BYTES // (weight.shape[0] * hidden.element_size()) + 1
+    elif not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of rows or 'auto', not {chunk_size!r}")
     logprobs, entropy = ChunkedTokenLogprobs.apply(hidden, weight, targets, chunk_size, with_entropy)
     return logprobs, (entropy if with_entropy else None)
 
@@ -204,11 +216,11 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             logprobs[start:stop] = logits.gather(-1, tgt[:, None])[:, 0] - lse
             if with_entropy or grad_rows is not None:
                 shifted = logits.sub_(lse[:, None])  # [c, V] log-softmax, in place of the logits
-                probs = shifted.exp()  # [c, V] softmax
-                if with_entropy:  # -sum_v p log p, summed as the full-logits path sums it
-                    entropy[start:stop] = -(probs * shifted).sum(-1)
+                probs = shifted.exp()  # [c, V] softmax: with the log-softmax, the chunk's only [c, V] tensors
                 if grad_rows is not None:
                     torch.sub(weight[tgt], probs @ weight, out=grad_rows[start:stop])  # [c, H]
+                if with_entropy:  # -sum_v p log p, summed as the full-logits path sums it; in place: no third [c, V]
+                    entropy[start:stop] = -shifted.mul_(probs).sum(-1)
         ctx.save_for_backward(grad_rows)
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
