@@ -30,6 +30,7 @@ from uuid import UUID
 from langchain_core.messages import BaseMessage
 from langfuse._utils.serializer import EventSerializer
 from langfuse.langchain import CallbackHandler
+from langfuse.logger import langfuse_logger
 
 __all__ = ["LightStateHandler", "message_dict"]
 
@@ -63,7 +64,7 @@ class LightStateHandler(CallbackHandler):  # type: ignore[misc]
 
     def on_chain_start(self, serialized: Any, inputs: Any, *, run_id: UUID, parent_run_id: UUID | None = None,
                        tags: list[str] | None = None, metadata: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-        parent_run_id = self._routing.get(parent_run_id, parent_run_id)  # type: ignore[arg-type]
+        parent_run_id = self._parent(parent_run_id)
         if tags and parent_run_id in self._nodes and _is_routing(tags):
             self._routing[run_id] = parent_run_id  # type: ignore[assignment]
             return None
@@ -93,42 +94,45 @@ class LightStateHandler(CallbackHandler):  # type: ignore[misc]
     def on_chat_model_start(self, serialized: Any, messages: Any, *, run_id: UUID, parent_run_id: UUID | None = None,
                             tags: list[str] | None = None, metadata: dict[str, Any] | None = None,
                             **kwargs: Any) -> Any:
-        return super().on_chat_model_start(serialized, messages, run_id=run_id,
-                                           parent_run_id=self._routing.get(parent_run_id, parent_run_id),  # type: ignore[arg-type]
+        parent_run_id = self._parent(parent_run_id)
+        return super().on_chat_model_start(serialized, messages, run_id=run_id, parent_run_id=parent_run_id,
                                            tags=_tags(tags), metadata=_metadata(metadata), **kwargs)
 
     def on_llm_start(self, serialized: Any, prompts: Any, *, run_id: UUID, parent_run_id: UUID | None = None,
                      tags: list[str] | None = None, metadata: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-        return super().on_llm_start(serialized, prompts, run_id=run_id,
-                                    parent_run_id=self._routing.get(parent_run_id, parent_run_id),  # type: ignore[arg-type]
+        return super().on_llm_start(serialized, prompts, run_id=run_id, parent_run_id=self._parent(parent_run_id),
                                     tags=_tags(tags), metadata=_metadata(metadata), **kwargs)
 
     def on_tool_start(self, serialized: Any, input_str: str, *, run_id: UUID, parent_run_id: UUID | None = None,
                       tags: list[str] | None = None, metadata: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-        return super().on_tool_start(serialized, input_str, run_id=run_id,
-                                     parent_run_id=self._routing.get(parent_run_id, parent_run_id),  # type: ignore[arg-type]
+        return super().on_tool_start(serialized, input_str, run_id=run_id, parent_run_id=self._parent(parent_run_id),
                                      tags=_tags(tags), metadata=_metadata(metadata), **kwargs)
 
     def on_retriever_start(self, serialized: Any, query: str, *, run_id: UUID, parent_run_id: UUID | None = None,
                            tags: list[str] | None = None, metadata: dict[str, Any] | None = None,
                            **kwargs: Any) -> Any:
-        return super().on_retriever_start(serialized, query, run_id=run_id,
-                                          parent_run_id=self._routing.get(parent_run_id, parent_run_id),  # type: ignore[arg-type]
+        return super().on_retriever_start(serialized, query, run_id=run_id, parent_run_id=self._parent(parent_run_id),
                                           tags=_tags(tags), metadata=_metadata(metadata), **kwargs)
 
     # -- helpers --------------------------------------------------------------------------------------
 
+    def _parent(self, parent_run_id: UUID | None) -> UUID | None:
+        """The run to nest under: a routing function's children go to its node (it has no observation)."""
+        if parent_run_id is None:
+            return None
+        return self._routing.get(parent_run_id, parent_run_id)
+
     def _route(self, node: UUID, outputs: Any) -> None:
         """Write the route a routing function chose on its node's observation (``langgraph_route``)."""
         routes = self._nodes.get(node)
-        observation = self._runs.get(node)  # the SDK handler's open observations, by run id
+        observation = self._runs.get(node)  # the SDK handler's open observations by run id (no public accessor)
         if routes is None or observation is None:
             return
         routes.append(outputs)
         try:
             observation.update(metadata={ROUTE_KEY: routes[0] if len(routes) == 1 else routes})
-        except Exception:  # as the SDK's own callbacks do: tracing never fails the graph
-            pass
+        except Exception as exc:  # as the SDK's own callbacks do: logged (and counted), never failing the graph
+            langfuse_logger.exception(exc)
 
     def _state(self, value: Any) -> Any:
         """A graph state (or update) as the SDK should get it: JSON text when possible, else compacted."""

@@ -738,7 +738,7 @@ _handler_type: type | None = None
 
 
 def _compact_handler_type() -> type:
-    """The LangChain handler for LangGraph rollouts (``_langfuse_langchain.LightStateHandler``), imported on first use."""
+    """The LangChain handler of LangGraph rollouts (``_langfuse_langchain.LightStateHandler``), imported when used."""
     global _handler_type
     if _handler_type is None:
         from ._langfuse_langchain import LightStateHandler
