@@ -24,8 +24,10 @@ What goes where (names as they appear in Langfuse):
   gateway's response headers, read in the task that made the call while the framework's observation is the
   current OpenTelemetry span; a live-streamed call's headers leave before any token is sampled, so its
   completion count is read from the gateway's record of the call when its body has been read (still inside
-  the observation). In LangGraph's node and routing-function observations, the graph state's LangChain
-  messages are shown compactly, as Langfuse shows a generation's (role, content, tool calls).
+  the observation). In LangGraph's node observations, the graph state's LangChain messages are shown
+  compactly, as Langfuse shows a generation's (role, content, tool calls); routing functions get no
+  observation of their own (the route they chose is their node's metadata ``langgraph_route``) and LangGraph's
+  bookkeeping metadata is left out (see ``art_plugins._langfuse_langchain``).
 - **Scores** on each rollout trace: ``reward``; each custom reward component of ``score_group`` by its name;
   ``ruler`` with the judge's explanation as the comment. Sent when the rollout is scored and again when
   the step trains (same score ids: the final values replace the first ones, e.g. after RULER).
