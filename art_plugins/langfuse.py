@@ -24,8 +24,10 @@ What goes where (names as they appear in Langfuse):
   gateway's response headers, read in the task that made the call while the framework's observation is the
   current OpenTelemetry span; a live-streamed call's headers leave before any token is sampled, so its
   completion count is read from the gateway's record of the call when its body has been read (still inside
-  the observation). In LangGraph's node and routing-function observations, the graph state's LangChain
-  messages are shown compactly, as Langfuse shows a generation's (role, content, tool calls).
+  the observation). In LangGraph's node observations, the graph state's LangChain messages are shown
+  compactly, as Langfuse shows a generation's (role, content, tool calls); routing functions get no
+  observation of their own (the route they chose is their node's metadata ``langgraph_route``) and LangGraph's
+  bookkeeping metadata is left out (see ``art_plugins._langfuse_langchain``).
 - **Scores** on each rollout trace: ``reward``; each custom reward component of ``score_group`` by its name;
   ``ruler`` with the judge's explanation as the comment. Sent when the rollout is scored and again when
   the step trains (same score ids: the final values replace the first ones, e.g. after RULER).
@@ -738,68 +740,13 @@ _handler_type: type | None = None
 
 
 def _compact_handler_type() -> type:
-    """Langfuse's LangChain ``CallbackHandler``, with graph states' messages in the compact form of its generations.
-
-    A LangGraph node's or routing function's input is the whole graph state, and its output a state update:
-    the handler would hand their LangChain message objects to the SDK as they are, which walks each one's
-    full ``model_dump()`` (metadata, usage, ids) twice per observation (media scan, then JSON) on the agent's
-    own task. The messages are shown as the handler shows a generation's: role, content, tool calls, tool
-    call id, name. Each message is converted once per rollout (a state repeats the earlier ones); anything
-    else in the state is passed on unchanged.
-    """
+    """The LangChain handler of LangGraph rollouts (``_langfuse_langchain.LightStateHandler``), imported when used."""
     global _handler_type
     if _handler_type is None:
-        from langchain_core.messages import BaseMessage
-        from langfuse.langchain import CallbackHandler
+        from ._langfuse_langchain import LightStateHandler
 
-        class CompactStateHandler(CallbackHandler):  # type: ignore[misc]
-            def __init__(self, **kwargs: Any) -> None:
-                super().__init__(**kwargs)
-                self._compacted: dict[int, tuple[Any, dict[str, Any]]] = {}  # id(message) -> (message, dict)
-
-            def on_chain_start(self, serialized: Any, inputs: Any, **kwargs: Any) -> Any:
-                return super().on_chain_start(serialized, self._compact(inputs), **kwargs)
-
-            def on_chain_end(self, outputs: Any, **kwargs: Any) -> Any:
-                if "inputs" in kwargs:
-                    kwargs["inputs"] = self._compact(kwargs["inputs"])
-                return super().on_chain_end(self._compact(outputs), **kwargs)
-
-            def _compact(self, value: Any) -> Any:
-                if isinstance(value, dict):
-                    return {key: self._compact_item(item) for key, item in value.items()}
-                return self._compact_item(value)
-
-            def _compact_item(self, value: Any) -> Any:
-                if isinstance(value, list) and value and isinstance(value[0], BaseMessage):
-                    return [self._message(m) if isinstance(m, BaseMessage) else m for m in value]
-                return self._message(value) if isinstance(value, BaseMessage) else value
-
-            def _message(self, message: Any) -> dict[str, Any]:
-                cached = self._compacted.get(id(message))
-                if cached is not None and cached[0] is message:
-                    return cached[1]
-                converted = _message_dict(message)
-                self._compacted[id(message)] = (message, converted)  # the message is kept: its id stays unique
-                return converted
-
-        _handler_type = CompactStateHandler
+        _handler_type = LightStateHandler
     return _handler_type
-
-
-_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "function"}
-
-
-def _message_dict(message: Any) -> dict[str, Any]:
-    """A LangChain message as ``{"role", "content"}`` plus its tool calls, tool call id and name when set."""
-    kind = message.type
-    role = getattr(message, "role", None) if kind == "chat" else _ROLES.get(kind, kind)
-    converted: dict[str, Any] = {"role": role, "content": message.content}
-    for key in ("tool_calls", "invalid_tool_calls", "tool_call_id", "name"):
-        value = getattr(message, key, None)
-        if value:
-            converted[key] = value
-    return converted
 
 
 def _task_text(value: Any, limit: int = 200) -> str:

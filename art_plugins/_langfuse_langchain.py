@@ -1,0 +1,231 @@
+"""Langfuse's LangChain ``CallbackHandler`` made lighter for LangGraph rollouts (used by ``art_plugins.langfuse``).
+
+Langfuse's handler runs inline on the agent's own task, and each observation costs the SDK a fixed amount of
+work there: an OpenTelemetry span, its attributes (one JSON text per metadata key), a media scan and a JSON
+encoding of its input and output; then its export. This subclass does that work less often:
+
+- **Graph states as text.** A LangGraph node's input is the whole graph state and its output a state update.
+  Their LangChain messages are shown as Langfuse shows a generation's (role, content, tool calls, tool call id,
+  name), not as each message's full ``model_dump()``. Each message is converted and JSON-encoded once per
+  rollout (a state repeats the earlier ones); the state's JSON is joined from those pieces, the same text the
+  SDK would write, and given to the SDK as a string, which it neither scans for media nor encodes again. A
+  state holding anything besides messages and plain JSON values, or a base64 data URI anywhere, or a client
+  with a ``mask`` function, takes the SDK's own path (as a dict) instead.
+- **Routing functions fold into their node.** A conditional edge's routing function runs inside its source
+  node; it gets no observation of its own (its input was the whole state again, its output one name). The
+  route it chose is written on the node's observation as metadata ``langgraph_route`` (a list when a node has
+  several conditional edges). A routing function that raises leaves its error on the node's observation.
+- **LangGraph's bookkeeping is left out of the metadata**: ``langgraph_triggers``, ``langgraph_path``,
+  ``langgraph_checkpoint_ns`` and ``checkpoint_ns``, and the ``graph:step:N`` / ``seq:step:N`` tags (the step
+  is ``langgraph_step``; the nesting is the observation tree). ``langgraph_step``, ``langgraph_node`` and any
+  other metadata or tags stay.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+from uuid import UUID
+
+from langchain_core.messages import BaseMessage
+from langfuse._utils.serializer import EventSerializer
+from langfuse.langchain import CallbackHandler
+from langfuse.logger import langfuse_logger
+
+__all__ = ["LightStateHandler", "message_dict"]
+
+BOOKKEEPING_KEYS = frozenset({"langgraph_triggers", "langgraph_path", "langgraph_checkpoint_ns", "checkpoint_ns"})
+BOOKKEEPING_TAGS = ("graph:step:", "seq:step:")
+NODE_TAG = "graph:step:"  # LangGraph tags each node's run with it (and only that run)
+ROUTE_KEY = "langgraph_route"
+_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "function"}
+
+
+class LightStateHandler(CallbackHandler):  # type: ignore[misc]
+    """Langfuse's ``CallbackHandler`` with compact, pre-encoded graph states and no routing observations.
+
+    Args:
+        text_states: give the SDK graph states as JSON text where that text is what the SDK would write (False:
+            as dicts). Default: unless the client has a ``mask`` function, which expects the data itself.
+        **kwargs: passed to ``langfuse.langchain.CallbackHandler`` (``public_key``, ``trace_context``).
+    """
+
+    def __init__(self, *, text_states: bool | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if text_states is None:
+            # The SDK has no public accessor for the client's mask; an SDK without this attribute counts as masked.
+            text_states = getattr(self._langfuse_client, "_mask", "unknown") is None
+        self.text_states = text_states
+        self._messages: dict[int, tuple[Any, dict[str, Any], str | None]] = {}  # id -> (message, dict, JSON)
+        self._nodes: dict[UUID, list[Any]] = {}  # a LangGraph node's run id -> the routes its edges chose
+        self._routing: dict[UUID, UUID] = {}  # a routing function's run id -> its node's run id
+
+    # -- chains: nodes, routing functions, graphs -----------------------------------------------------
+
+    def on_chain_start(self, serialized: Any, inputs: Any, *, run_id: UUID, parent_run_id: UUID | None = None,
+                       tags: list[str] | None = None, metadata: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+        parent_run_id = self._parent(parent_run_id)
+        if tags and parent_run_id in self._nodes and _is_routing(tags):
+            self._routing[run_id] = parent_run_id  # type: ignore[assignment]
+            return None
+        if tags and any(tag.startswith(NODE_TAG) for tag in tags):
+            self._nodes[run_id] = []
+        return super().on_chain_start(serialized, self._state(inputs), run_id=run_id, parent_run_id=parent_run_id,
+                                      tags=_tags(tags), metadata=_metadata(metadata), **kwargs)
+
+    def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> Any:
+        node = self._routing.pop(run_id, None)
+        if node is not None:
+            self._route(node, outputs)
+            return None
+        self._nodes.pop(run_id, None)
+        if "inputs" in kwargs:
+            kwargs["inputs"] = self._state(kwargs["inputs"])
+        return super().on_chain_end(self._state(outputs), run_id=run_id, **kwargs)
+
+    def on_chain_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> Any:
+        if self._routing.pop(run_id, None) is not None:
+            return None  # the error reaches the node's observation, which records it
+        self._nodes.pop(run_id, None)
+        return super().on_chain_error(error, run_id=run_id, **kwargs)
+
+    # -- everything else that starts an observation: re-parented past routing functions, trimmed --------
+
+    def on_chat_model_start(self, serialized: Any, messages: Any, *, run_id: UUID, parent_run_id: UUID | None = None,
+                            tags: list[str] | None = None, metadata: dict[str, Any] | None = None,
+                            **kwargs: Any) -> Any:
+        parent_run_id = self._parent(parent_run_id)
+        return super().on_chat_model_start(serialized, messages, run_id=run_id, parent_run_id=parent_run_id,
+                                           tags=_tags(tags), metadata=_metadata(metadata), **kwargs)
+
+    def on_llm_start(self, serialized: Any, prompts: Any, *, run_id: UUID, parent_run_id: UUID | None = None,
+                     tags: list[str] | None = None, metadata: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+        return super().on_llm_start(serialized, prompts, run_id=run_id, parent_run_id=self._parent(parent_run_id),
+                                    tags=_tags(tags), metadata=_metadata(metadata), **kwargs)
+
+    def on_tool_start(self, serialized: Any, input_str: str, *, run_id: UUID, parent_run_id: UUID | None = None,
+                      tags: list[str] | None = None, metadata: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+        return super().on_tool_start(serialized, input_str, run_id=run_id, parent_run_id=self._parent(parent_run_id),
+                                     tags=_tags(tags), metadata=_metadata(metadata), **kwargs)
+
+    def on_retriever_start(self, serialized: Any, query: str, *, run_id: UUID, parent_run_id: UUID | None = None,
+                           tags: list[str] | None = None, metadata: dict[str, Any] | None = None,
+                           **kwargs: Any) -> Any:
+        return super().on_retriever_start(serialized, query, run_id=run_id, parent_run_id=self._parent(parent_run_id),
+                                          tags=_tags(tags), metadata=_metadata(metadata), **kwargs)
+
+    # -- helpers --------------------------------------------------------------------------------------
+
+    def _parent(self, parent_run_id: UUID | None) -> UUID | None:
+        """The run to nest under: a routing function's children go to its node (it has no observation)."""
+        if parent_run_id is None:
+            return None
+        return self._routing.get(parent_run_id, parent_run_id)
+
+    def _route(self, node: UUID, outputs: Any) -> None:
+        """Write the route a routing function chose on its node's observation (``langgraph_route``)."""
+        routes = self._nodes.get(node)
+        observation = self._runs.get(node)  # the SDK handler's open observations by run id (no public accessor)
+        if routes is None or observation is None:
+            return
+        routes.append(outputs)
+        try:
+            observation.update(metadata={ROUTE_KEY: routes[0] if len(routes) == 1 else routes})
+        except Exception as exc:  # as the SDK's own callbacks do: logged (and counted), never failing the graph
+            langfuse_logger.exception(exc)
+
+    def _state(self, value: Any) -> Any:
+        """A graph state (or update) as the SDK should get it: JSON text when possible, else compacted."""
+        if self.text_states and type(value) is dict:
+            text = self._state_text(value)
+            if text is not None:
+                return text
+        if isinstance(value, dict):
+            return {key: self._compact(item) for key, item in value.items()}
+        return self._compact(value)
+
+    def _compact(self, value: Any) -> Any:
+        if isinstance(value, list) and value and isinstance(value[0], BaseMessage):
+            return [self._message(m)[0] if isinstance(m, BaseMessage) else m for m in value]
+        return self._message(value)[0] if isinstance(value, BaseMessage) else value
+
+    def _state_text(self, state: dict[Any, Any]) -> str | None:
+        """``json.dumps(compacted state, cls=EventSerializer)``, joined from each message's cached JSON; None when
+        the state holds something the SDK's media scan could change or that is not plain JSON data."""
+        parts = []
+        for key, value in state.items():
+            if type(key) is not str:
+                return None
+            if isinstance(value, list) and value and isinstance(value[0], BaseMessage):
+                pieces = [self._message(m)[1] if isinstance(m, BaseMessage) else _plain_json(m) for m in value]
+                if None in pieces:
+                    return None
+                text: str | None = "[" + ", ".join(pieces) + "]"  # type: ignore[arg-type]
+            elif isinstance(value, BaseMessage):
+                text = self._message(value)[1]
+            else:
+                text = _plain_json(value)
+            if text is None:
+                return None
+            parts.append(json.dumps(key) + ": " + text)
+        return "{" + ", ".join(parts) + "}"
+
+    def _message(self, message: Any) -> tuple[dict[str, Any], str | None]:
+        """A message's compact dict and its JSON (None if it holds a data URI), computed once per rollout."""
+        cached = self._messages.get(id(message))
+        if cached is not None and cached[0] is message:
+            return cached[1], cached[2]
+        converted = message_dict(message)
+        text = _plain_json(converted)
+        self._messages[id(message)] = (message, converted, text)  # the message is kept: its id stays unique
+        return converted, text
+
+
+def message_dict(message: Any) -> dict[str, Any]:
+    """A LangChain message as ``{"role", "content"}`` plus its tool calls, tool call id and name when set."""
+    kind = message.type
+    role = getattr(message, "role", None) if kind == "chat" else _ROLES.get(kind, kind)
+    converted: dict[str, Any] = {"role": role, "content": message.content}
+    for key in ("tool_calls", "invalid_tool_calls", "tool_call_id", "name"):
+        value = getattr(message, key, None)
+        if value:
+            converted[key] = value
+    return converted
+
+
+def _plain_json(value: Any) -> str | None:
+    """The SDK's JSON of ``value`` if it is plain JSON data the SDK's media scan leaves as it is, else None."""
+    return json.dumps(value, cls=EventSerializer) if _is_plain(value, 0) else None
+
+
+def _is_plain(value: Any, depth: int) -> bool:
+    kind = type(value)
+    if kind is str:
+        return not value.startswith("data:")  # a base64 data URI is media the SDK would upload
+    if value is None or kind is int or kind is float or kind is bool:
+        return True
+    if depth > 16:  # the SDK's serializer cuts deeper structures short; leave those to it
+        return False
+    if kind is list or kind is tuple:
+        return all(_is_plain(item, depth + 1) for item in value)
+    if kind is dict:
+        return all(type(k) is str and _is_plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def _is_routing(tags: list[str]) -> bool:
+    """A node's routing function: a traced step after the node's own (``seq:step:1``) in the node's sequence;
+    the steps in between are the node's channel writers, which LangGraph does not trace."""
+    return any(tag.startswith("seq:step:") and tag != "seq:step:1" for tag in tags)
+
+
+def _tags(tags: list[str] | None) -> list[str] | None:
+    if not tags:
+        return tags
+    return [tag for tag in tags if not tag.startswith(BOOKKEEPING_TAGS)]
+
+
+def _metadata(metadata: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not metadata or BOOKKEEPING_KEYS.isdisjoint(metadata):
+        return metadata
+    return {key: value for key, value in metadata.items() if key not in BOOKKEEPING_KEYS}
