@@ -1,0 +1,136 @@
+"""The decode loop's linear layers through oneDNN, with each weight reordered once into oneDNN's own layout.
+
+Why: a decode step multiplies a few rows (one token per sequence) by every weight of the model, and on CPU
+in float32 those products are ~75% of the step. PyTorch sends them to MKL's ``sgemm``, which re-packs the
+weight on every call and is slow for few-row products on the development machine (AMD EPYC, AVX-512). oneDNN
+with the weight reordered once into its blocked layout is not (SmolLM2-135M, 2 threads, one decode step; the
+figures are in ``tests/benchmarks/gateway_throughput.py``'s docstring):
+
+    8 rows:  MKL 84 ms, oneDNN plain weights 60 ms, oneDNN pre-packed weights 46 ms
+    1 row:   MKL 67 ms, oneDNN pre-packed 52 ms
+
+The price is memory: a second copy of every packed weight (the size of the model's linear layers, e.g.
+0.54 GB for SmolLM2-135M in float32), kept while the engine lives. ``TransformersEngine(packed_weights=False)``
+turns it off.
+
+Scope: only while the engine decodes (``PackedLinears.active``, entered and left by the decode thread), each
+CPU float32 ``nn.Linear`` of the model gets a ``forward`` of its own (an instance attribute, removed on exit),
+so the trainer, which shares the model in ``LocalBackend`` but never runs while the engine decodes, and anyone
+else calling the model meanwhile, see plain ``nn.Linear``. A call that needs gradients falls back to
+``F.linear``. PEFT's LoRA layers call their base layer as a module, so the base weight is packed and the
+adapter's small matrices are packed too (they are re-packed when a training step changes them).
+
+Staleness: a packed copy is used only while its weight has the storage and the autograd version counter it
+was packed from. Every change made the usual ways bumps the counter or swaps the storage: an optimizer step,
+``load_state_dict``, ``copy_`` or ``+=`` under ``no_grad``, assigning ``weight.data``. So LoRA training on the
+shared model re-packs only the adapter's matrices, and the base weights (0.4 s to pack for SmolLM2-135M) stay
+packed across training steps. An in-place edit through ``weight.data`` (``weight.data += delta``, as PEFT's
+``merge_adapter`` does) bypasses the counter: the engine drops every packed copy on ``load_adapter``, and
+code that edits served weights that way must call ``TransformersEngine.weights_changed()``.
+
+Results: oneDNN sums in a different order than MKL, so a log-prob moves by rounding (~1e-6, within the 1e-5
+the engine promises); ``tests/engines/test_packed_linears.py`` checks tokens and log-probs.
+
+The two operators are the ones ``torch.compile`` (Inductor) uses for the same purpose on CPU; where they
+are missing (a PyTorch built without oneDNN) or oneDNN is turned off (``torch.backends.mkldnn.enabled``),
+nothing is packed and the model runs as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["PackedLinears", "packing_available"]
+
+
+def packing_available() -> bool:
+    """Whether this PyTorch has oneDNN and the two operators used here, and oneDNN is turned on."""
+    ops = getattr(torch.ops, "mkldnn", None)
+    return (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled and ops is not None
+            and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
+
+
+def _packable(module: torch.nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (type(module) is torch.nn.Linear and isinstance(weight, torch.Tensor) and weight.dim() == 2
+            and weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.layout == torch.strided
+            # A forward of its own already (accelerate's offloading hooks, a user's wrapper): left alone.
+            and "forward" not in module.__dict__)
+
+
+def _fingerprint(weight: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
+    """What must be unchanged for a packed copy to be used: storage, autograd version, shape."""
+    return weight.data_ptr(), weight._version, tuple(weight.shape)
+
+
+class PackedLinears:
+    """oneDNN-packed copies of a model's linear weights, and the scope in which the model uses them.
+
+    Blocking calls (packing reorders the weight): run them on the decode thread, never on the event loop.
+    """
+
+    def __init__(self) -> None:
+        self._packed: dict[torch.nn.Linear, tuple[tuple[int, int, tuple[int, ...]], torch.Tensor]] = {}
+        self.packs = 0
+        """Weights packed so far (re-packing after a change counts again)."""
+
+    def __len__(self) -> int:
+        return len(self._packed)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the packed copies hold (estimated from their weights' sizes)."""
+        return sum(module.weight.numel() * module.weight.element_size() for module in self._packed)
+
+    def clear(self) -> None:
+        """Drop every packed copy (the weights may have changed behind the version counter)."""
+        self._packed.clear()
+
+    @contextlib.contextmanager
+    def active(self, model: torch.nn.Module) -> Iterator[None]:
+        """Within this block, the model's CPU float32 linear layers run through their packed weights.
+
+        Copies are made on first use and re-made when a weight changed; those of layers the model no longer
+        has (a deleted adapter) are dropped here.
+        """
+        if not packing_available():
+            yield
+            return
+        linears = [m for m in model.modules() if _packable(m)]
+        present = set(linears)
+        for gone in [m for m in self._packed if m not in present]:
+            del self._packed[gone]
+        for module in linears:
+            module.forward = self._forward_of(module)  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            for module in linears:
+                module.__dict__.pop("forward", None)
+
+    def _forward_of(self, module: torch.nn.Linear) -> Any:
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            weight = module.weight
+            if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad) or x.dtype != weight.dtype:
+                return F.linear(x, weight, module.bias)  # the packed operator has no backward
+            packed = self._weight(module, weight)
+            shape = x.shape
+            out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), packed, module.bias, "none", [], "")
+            return out.reshape(*shape[:-1], out.shape[-1])  # [..., in] -> [..., out]
+
+        return forward
+
+    def _weight(self, module: torch.nn.Linear, weight: torch.Tensor) -> torch.Tensor:
+        fingerprint = _fingerprint(weight)
+        entry = self._packed.get(module)
+        if entry is None or entry[0] != fingerprint:
+            # No batch-size hint: the same copy serves every row count (1 row decoding to a long prefill).
+            entry = (fingerprint, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+            self._packed[module] = entry
+            self.packs += 1
+        return entry[1]

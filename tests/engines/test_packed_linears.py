@@ -1,0 +1,125 @@
+"""The decode loop's oneDNN-packed linear layers (``engines/_packed.py``): same tokens and log-probs as the plain
+layers, scoped to the decode, re-packed when the weights change, out of the way of gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from art_core.engines._packed import PackedLinears, packing_available
+from art_core.engines.base import SamplingParams
+from art_core.engines.transformers import TransformersEngine
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this PyTorch has no oneDNN")
+
+PROMPTS = [[1, 9707, 11, 1122, 359, 346, 47], [1, 504, 2114, 281, 253, 2], [1, 3702, 30, 2, 198, 1]]
+
+
+def _sampled(engine: TransformersEngine, tokens: int = 24):
+    # Greedy: the random tiny model's distributions are near-uniform over 49k tokens (top probability ~4e-5),
+    # so a seeded draw lands near a boundary between two tokens often enough for rounding to pick the
+    # neighbour. (On SmolLM2, seeded draws: see engines/_packed.py.)
+    params = [SamplingParams(max_tokens=tokens, temperature=0) for _ in PROMPTS]
+    return [out for outs in engine.generate_batch(PROMPTS, params) for out in outs]
+
+
+def _assert_same(packed, plain) -> float:
+    worst = 0.0
+    for a, b in zip(packed, plain, strict=True):
+        assert a.token_ids == b.token_ids
+        worst = max(worst, max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)))
+    assert worst < 1e-5
+    return worst
+
+
+def _linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    return [m for m in model.modules() if type(m) is torch.nn.Linear]
+
+
+async def test_packed_decode_samples_what_the_plain_layers_sample(tiny_model_dir):
+    packed = await TransformersEngine.from_pretrained(tiny_model_dir, device="cpu")
+    plain = TransformersEngine(packed.model, packed.tokenizer, packed_weights=False)
+    try:
+        worst = _assert_same(_sampled(packed), _sampled(plain))
+        print(f"packed vs plain linear layers: max |logprob gap| = {worst:.2e}")
+        assert packed._packed is not None and packed._packed.packs == len(_linears(packed.model))
+        # Only within the decode: afterwards the model's layers are plain nn.Linear again.
+        assert not any("forward" in m.__dict__ for m in packed.model.modules())
+        _sampled(packed)
+        assert packed._packed.packs == len(_linears(packed.model))  # unchanged weights are not packed again
+    finally:
+        await packed.aclose()
+        await plain.aclose()
+
+
+async def test_a_training_step_on_the_shared_model_is_seen_by_the_next_decode(tiny_model_dir):
+    base = await TransformersEngine.from_pretrained(tiny_model_dir, device="cpu")
+    model = get_peft_model(base.model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    packed = TransformersEngine(model, base.tokenizer)
+    plain = TransformersEngine(model, base.tokenizer, packed_weights=False)
+    try:
+        _sampled(packed)
+        packs = packed._packed.packs
+        # One optimizer step on the adapter, as LocalBackend's trainer takes on the shared model.
+        model.train()
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+        model(input_ids=torch.tensor([PROMPTS[0]])).logits.logsumexp(-1).mean().backward()
+        optimizer.step()
+        model.eval()
+        packed.mark_adapter_step(1)  # as LocalBackend does (it drops the prompt states; the packed copies stay)
+        # Stale copies would score with the old adapter: the log-probs must be the new model's.
+        for prompt, out in zip(PROMPTS, _sampled(packed), strict=True):
+            ids = torch.tensor([prompt + out.token_ids])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+            rescored = logp[torch.arange(len(prompt) - 1, ids.shape[1] - 1), ids[0, len(prompt):]]
+            assert (rescored - torch.tensor(out.logprobs)).abs().max().item() < 1e-5
+        lora_matrices = sum(1 for name, p in model.named_parameters() if "lora_" in name)
+        assert packed._packed.packs == packs + lora_matrices  # only what the step changed was packed again
+    finally:
+        for engine in (base, packed, plain):
+            await engine.aclose()
+
+
+async def test_weights_changed_drops_copies_an_edit_through_data_did_not_announce(tiny_model_dir):
+    packed = await TransformersEngine.from_pretrained(tiny_model_dir, device="cpu")
+    plain = TransformersEngine(packed.model, packed.tokenizer, packed_weights=False)
+    try:
+        _sampled(packed)
+        with torch.no_grad():
+            for layer in _linears(packed.model):
+                layer.weight.data += 0.05 * torch.randn_like(layer.weight)  # no version bump (as PEFT's merge)
+        packed.weights_changed()
+        _assert_same(_sampled(packed), _sampled(plain))
+    finally:
+        await packed.aclose()
+        await plain.aclose()
+
+
+async def test_gradients_inside_the_scope_go_through_the_plain_layers(tiny_model_dir):
+    engine = await TransformersEngine.from_pretrained(tiny_model_dir, device="cpu", packed_weights=False)
+    model, ids = engine.model, torch.tensor([PROMPTS[0]])
+    try:
+        model.zero_grad()
+        model(input_ids=ids).logits.logsumexp(-1).mean().backward()
+        expected = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        packed = PackedLinears()
+        with packed.active(model):
+            model(input_ids=ids).logits.logsumexp(-1).mean().backward()
+        assert packed.packs == 0
+        for p, grad in zip(model.parameters(), expected, strict=True):
+            torch.testing.assert_close(p.grad, grad)
+    finally:
+        await engine.aclose()
+
+
+async def test_nothing_is_packed_with_onednn_turned_off(tiny_model_dir):
+    engine = await TransformersEngine.from_pretrained(tiny_model_dir, device="cpu")
+    try:
+        with torch.backends.mkldnn.flags(enabled=False):
+            _sampled(engine, tokens=4)
+        assert engine._packed is not None and engine._packed.packs == 0
+    finally:
+        await engine.aclose()
