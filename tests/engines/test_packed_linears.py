@@ -38,7 +38,7 @@ def _linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
 
 
 async def test_packed_decode_samples_what_the_plain_layers_sample(tiny_model_dir):
-    packed = await TransformersEngine.from_pretrained(tiny_model_dir, device="cpu")
+    packed = await TransformersEngine.from_pretrained(tiny_model_dir, device="cpu", packed_weights=True)
     plain = TransformersEngine(packed.model, packed.tokenizer, packed_weights=False)
     try:
         worst = _assert_same(_sampled(packed), _sampled(plain))
@@ -54,9 +54,9 @@ async def test_packed_decode_samples_what_the_plain_layers_sample(tiny_model_dir
 
 
 async def test_a_training_step_on_the_shared_model_is_seen_by_the_next_decode(tiny_model_dir):
-    base = await TransformersEngine.from_pretrained(tiny_model_dir, device="cpu")
+    base = await TransformersEngine.from_pretrained(tiny_model_dir, device="cpu", packed_weights=True)
     model = get_peft_model(base.model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-    packed = TransformersEngine(model, base.tokenizer)
+    packed = TransformersEngine(model, base.tokenizer, packed_weights=True)
     plain = TransformersEngine(model, base.tokenizer, packed_weights=False)
     try:
         _sampled(packed)
@@ -83,7 +83,7 @@ async def test_a_training_step_on_the_shared_model_is_seen_by_the_next_decode(ti
 
 
 async def test_weights_changed_drops_copies_an_edit_through_data_did_not_announce(tiny_model_dir):
-    packed = await TransformersEngine.from_pretrained(tiny_model_dir, device="cpu")
+    packed = await TransformersEngine.from_pretrained(tiny_model_dir, device="cpu", packed_weights=True)
     plain = TransformersEngine(packed.model, packed.tokenizer, packed_weights=False)
     try:
         _sampled(packed)
@@ -116,7 +116,7 @@ async def test_gradients_inside_the_scope_go_through_the_plain_layers(tiny_model
 
 
 async def test_nothing_is_packed_with_onednn_turned_off(tiny_model_dir):
-    engine = await TransformersEngine.from_pretrained(tiny_model_dir, device="cpu")
+    engine = await TransformersEngine.from_pretrained(tiny_model_dir, device="cpu", packed_weights=True)
     try:
         with torch.backends.mkldnn.flags(enabled=False):
             _sampled(engine, tokens=4)

@@ -10,9 +10,10 @@ requests with different settings share a batch (``model.generate`` takes one set
 
 Each distinct prompt of an admission is prefilled once (a GRPO group sends one prompt many times), and a
 prompt seen again since the weights last changed is not prefilled at all (``engines/_prefix.py``); each
-layer's keys and values live in pre-allocated buffers, so a step writes its column in place. On CPU in float32
-the linear layers run through oneDNN with weights packed once (``engines/_packed.py``): the matrix products
-are most of a step, and PyTorch's default path for them is ~1.8x slower at 8 rows.
+layer's keys and values live in pre-allocated buffers, so a step writes its column in place. On CPU in float32,
+``packed_weights=True`` runs the linear layers through oneDNN with weights packed once (``engines/_packed.py``):
+the matrix products are most of a step, and PyTorch's default path for them is ~1.8x slower at 8 rows; off by
+default, since the different summation order moves log-probs past 1e-5.
 
 ``stream`` hands each request its tokens at the step that sampled them (one call into the event loop per
 request per step); a reader that stops abandons the request, and its rows leave the batch at the next step.
@@ -105,11 +106,13 @@ class TransformersEngine:
             seen again since the weights last changed skips its prefill. 0 turns it off.
         packed_weights: on CPU in float32, decode through oneDNN with the linear weights reordered once into its
             layout (``engines/_packed.py``): ~1.8x faster steps at 8 rows, for a second copy of those weights in
-            memory (0.54 GB for SmolLM2-135M). False: PyTorch's default matrix products, no extra memory.
+            memory (0.54 GB for SmolLM2-135M), and log-probs that differ from the default path's by rounding
+            (up to ~4e-5 on SmolLM2-135M, so a seeded row can sample another token). Default False: PyTorch's
+            matrix products, no extra memory.
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, max_batch_rows: int = 64, adapter_step: int = 0,
-                 prefix_cache_mb: int = 256, packed_weights: bool = True) -> None:
+                 prefix_cache_mb: int = 256, packed_weights: bool = False) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_rows = max_batch_rows
