@@ -28,6 +28,7 @@ from openai import AsyncOpenAI
 from art_core import LocalBackend, TrainableModel, TrainConfig, TrajectoryGroup, VLLMOptions
 from art_core.errors import EngineError
 from art_plugins.langgraph import trainable
+from random_adapters import ALL_LINEAR, write_random_adapter
 
 pytestmark = [
     pytest.mark.vllm,
@@ -151,24 +152,6 @@ async def test_a_checkpoint_vllm_cannot_merge_is_refused_before_any_weight_chang
     assert engine.adapter_step == step and await greedy() == before  # the weights did not change
 
 
-def _random_adapter(base_dir: Path, folder: Path, targets: list[str], seed: int) -> Path:
-    """A PEFT LoRA on ``targets`` with a random (non-zero) B, so that it moves the outputs."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype="float32"),
-                                    LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=targets))
-        with torch.no_grad():
-            for name, param in peft_model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0.0, 0.2)
-    peft_model.save_pretrained(folder)
-    return folder
-
-
 async def test_a_narrower_adapter_puts_the_base_weights_back_where_the_last_one_was(
         served: tuple[TrainableModel, LocalBackend], tiny64_model_dir: Path, tmp_path: Path) -> None:
     # vLLM reloads only the layers an adapter adapts (with the layers it packs them into) and the layers the
@@ -183,9 +166,9 @@ async def test_a_narrower_adapter_puts_the_base_weights_back_where_the_last_one_
     model, backend = served
     (slot,) = backend._slots.values()  # the one registered model's engine (no public handle to it)
     engine, step = slot.engine, slot.engine.adapter_step
-    wide = _random_adapter(tiny64_model_dir, tmp_path / "wide", ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                  "gate_proj", "up_proj", "down_proj"], seed=1)
-    narrow = _random_adapter(tiny64_model_dir, tmp_path / "narrow", ["v_proj", "up_proj"], seed=2)
+    wide = write_random_adapter(tiny64_model_dir, tmp_path / "wide", targets=ALL_LINEAR, seed=1, r=4, lora_alpha=8)
+    narrow = write_random_adapter(tiny64_model_dir, tmp_path / "narrow", targets=["v_proj", "up_proj"], seed=2, r=4,
+                                  lora_alpha=8)
     prompt = list(engine.tokenizer.encode("Name a color, then a number:", add_special_tokens=False))
 
     def reference(adapter: Path, completion: list[int]) -> torch.Tensor:

@@ -17,25 +17,14 @@ import torch
 from safetensors import safe_open
 
 from art_core.engines._vllm_ext.art_vllm_merge import AdapterError, merged, read_deltas
+from random_adapters import ALL_LINEAR, write_random_adapter
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = ALL_LINEAR
 
 
 def _adapter(model_dir: Path, folder: Path, **lora: object) -> Path:
     """A LoRA on every linear layer, with non-zero B so that it changes the outputs."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        peft_model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", target_modules=TARGETS, **lora))
-        with torch.no_grad():
-            for name, param in peft_model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0.0, 0.2)
-    peft_model.save_pretrained(folder)
-    return folder
+    return write_random_adapter(model_dir, folder, targets=TARGETS, **lora)
 
 
 def _base(model_dir: Path) -> tuple[dict[str, tuple[int, ...]], Iterator[tuple[str, torch.Tensor]]]:
