@@ -139,7 +139,7 @@ def request_seed(request: Request) -> int | None:
     value = request.headers.get(SEED_HEADER)
     if value is None:
         return None
-    seed = int(value) if value.isdigit() and len(value) <= 19 else -1
+    seed = int(value) if value.isascii() and value.isdigit() and len(value) <= 19 else -1  # not "²": int() refuses it
     if not 0 <= seed < _SEED_LIMIT:
         raise APIError(400, f"the {SEED_HEADER} header {value[:40]!r} is invalid: send a whole number from 0 to "
                        f"{_SEED_LIMIT - 1}", param=SEED_HEADER, code="invalid_seed")
