@@ -5,7 +5,7 @@ Importing this package does not import torch: the training stack loads when a ba
 
 from typing import TYPE_CHECKING, Any
 
-from .backends import Backend, LocalBackend, ModelSpec, RayBackend, TrainResult, VLLMOptions
+from .backends import Backend, LocalBackend, ModelSpec, RayBackend, TrainResult, TransformersOptions, VLLMOptions
 from .config import LoraSettings, TrainConfig
 from .errors import (
     ArtError,
@@ -66,6 +66,7 @@ __all__ = [
     "Trajectory",
     "TrajectoryError",
     "TrajectoryGroup",
+    "TransformersOptions",
     "VLLMOptions",
     "read_groups_jsonl",
     "ruler_score_group",

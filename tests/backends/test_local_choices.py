@@ -19,8 +19,10 @@ from art_core import (
     Trajectory,
     TrajectoryError,
     TrajectoryGroup,
+    TransformersOptions,
     VLLMOptions,
 )
+from art_core.engines._packed import packing_available
 
 
 def test_unknown_names_are_refused_with_the_choices(tmp_path):
@@ -138,3 +140,45 @@ def test_readme_backends_construct_or_refuse_clearly(vllm_venv_or_none, tmp_path
             exec(unsloth, namespace)
     exec(gateway, namespace)
     assert namespace["backend"]._gateway_options["default_max_tokens"] == 256
+
+
+def test_transformers_options_are_checked_at_construction(tmp_path):
+    with pytest.raises(ConfigError, match="prefix_cache_mb"):
+        TransformersOptions(prefix_cache_mb=-1)
+    with pytest.raises(ConfigError, match="extra"):
+        TransformersOptions(packed=True)  # type: ignore[call-arg]
+    with pytest.raises(ConfigError, match="inference='vllm'.*inference='transformers'"):
+        LocalBackend(path=tmp_path, inference="vllm", transformers=TransformersOptions(packed_weights=True))
+    with pytest.raises(ConfigError, match="TransformersOptions, not dict"):
+        LocalBackend(path=tmp_path, transformers={"packed_weights": True})  # type: ignore[arg-type]
+
+
+def _readme_transformers_options() -> str:
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("The in-process transformers engine takes its options"):]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start:section.index("```\n", start)]
+
+
+@pytest.mark.skipif(not packing_available(), reason="this PyTorch has no oneDNN")
+async def test_packed_weights_reach_the_engine_that_serves_the_gateway(tiny_model_dir, tmp_path):
+    namespace: dict = {}
+    exec(_readme_transformers_options(), namespace)  # the README's example builds what this test runs
+    assert namespace["backend"].transformers == TransformersOptions(packed_weights=True)
+    model = TrainableModel(name="packed", base_model=tiny_model_dir)
+    async with LocalBackend(path=tmp_path, show_progress=False,
+                            transformers=TransformersOptions(packed_weights=True, prefix_cache_mb=0)) as backend:
+        await model.register(backend)
+        engine = backend._slots[(model.project, model.name)].engine
+        assert engine._packed is not None and engine._packed.packs == 0  # packed on first decode, not at load
+        assert engine._prefix.max_bytes == 0
+        client = AsyncOpenAI(base_url=model.base_url, api_key="x", max_retries=0)
+        reply = await client.chat.completions.create(model=model.name, max_tokens=4, temperature=0,
+                                                     messages=[{"role": "user", "content": "Hello"}])
+        assert reply.usage is not None and reply.usage.completion_tokens >= 1
+        linears = [m for m in engine.model.modules() if type(m) is torch.nn.Linear]
+        assert engine._packed.packs == len(linears) > 0  # the gateway's request ran through packed weights
+    plain = TrainableModel(name="plain", base_model=tiny_model_dir)
+    async with LocalBackend(path=tmp_path / "plain", show_progress=False) as backend:  # the default: not packed
+        await plain.register(backend)
+        assert backend._slots[(plain.project, plain.name)].engine._packed is None

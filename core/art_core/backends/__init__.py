@@ -1,13 +1,14 @@
 """Where training runs. ``Backend`` is the contract ``TrainableModel`` talks to; ``LocalBackend`` implements it
 in this process, ``RemoteBackend`` on an ``art-core serve`` server (it needs ``art-core[serve]``, for httpx),
 ``RayBackend`` on a Ray cluster (``art-core[distributed]``; importing it does not import Ray). ``LocalBackend``
-takes a choice of inference engine and trainer (``VLLMOptions`` configures vLLM)."""
+takes a choice of inference engine and trainer (``VLLMOptions`` configures vLLM, ``TransformersOptions`` the
+in-process transformers engine)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._engines import VLLMOptions
+from ._engines import TransformersOptions, VLLMOptions
 from .base import Backend, ModelSpec, TrainResult
 from .local import LocalBackend
 from .ray import RayBackend
@@ -15,7 +16,8 @@ from .ray import RayBackend
 if TYPE_CHECKING:
     from .remote import RemoteBackend
 
-__all__ = ["Backend", "LocalBackend", "ModelSpec", "RayBackend", "RemoteBackend", "TrainResult", "VLLMOptions"]
+__all__ = ["Backend", "LocalBackend", "ModelSpec", "RayBackend", "RemoteBackend", "TrainResult", "TransformersOptions",
+           "VLLMOptions"]
 
 
 def __getattr__(name: str) -> Any:

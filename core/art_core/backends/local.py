@@ -32,7 +32,7 @@ from ..config import TrainConfig
 from ..engines.base import SamplingParams
 from ..errors import ConfigError, EngineError, LifecycleError
 from ..types import Trajectory, TrajectoryGroup, trace_links, write_groups_jsonl
-from ._engines import EngineContext, Serving, VLLMOptions, inference_choice
+from ._engines import EngineContext, Serving, TransformersOptions, VLLMOptions, inference_choice
 from ._progress import progress_bar
 from ._shared import append_history, read_history, render_chat, sampled_trajectories, trajectories_path
 from ._trainers import trainer_choice
@@ -83,6 +83,9 @@ class LocalBackend:
         inference_device: the engine's device; default: ``device``. With ``inference="vllm"`` on CUDA, the
             trainer's GPU gives the shared layout (vLLM sleeps during steps), another GPU the dedicated one.
         vllm: how vLLM is started (its venv, ``gpu_memory_utilization``, dtype, extra arguments).
+        transformers: how the transformers engine is built (``TransformersOptions``: ``packed_weights`` for
+            faster CPU decoding at a small cost in log-prob exactness, the prompt-state cache, the batch size).
+            Only with ``inference="transformers"``.
         host: the gateway's address. Anything but loopback needs ``api_key``.
         api_key: bearer token the gateway requires (``model.api_key`` hands it to the adapters).
         default_max_tokens: ``max_tokens`` of requests that set none; agents written for hosted models
@@ -98,12 +101,13 @@ class LocalBackend:
 
     Raises:
         ConfigError: an unknown ``inference`` or ``trainer`` name, a choice that cannot run here (Unsloth
-            without an NVIDIA GPU, vLLM without its venv), or invalid gateway settings. Nothing is loaded.
+            without an NVIDIA GPU, vLLM without its venv), ``transformers`` options with another engine, or
+            invalid gateway settings. Nothing is loaded.
     """
 
     def __init__(self, *, path: str | Path = ".art", inference: str = "transformers", trainer: str = "peft",
                  device: str | None = None, inference_device: str | None = None, vllm: VLLMOptions | None = None,
-                 host: str = "127.0.0.1", api_key: str | None = None, default_max_tokens: int | None = None,
+                 transformers: TransformersOptions | None = None, host: str = "127.0.0.1", api_key: str | None = None, default_max_tokens: int | None = None,
                  max_tokens_limit: int | None = None, num_threads: int | None = None, show_progress: bool = True,
                  serve: bool = True, gateway_mount: Callable[[ModelSpec], str] | None = None) -> None:
         self.inference = inference
@@ -111,6 +115,13 @@ class LocalBackend:
         self._inference = inference_choice(inference)
         self._trainer = trainer_choice(trainer)
         self.vllm = vllm or VLLMOptions()
+        if transformers is not None and inference != "transformers":
+            raise ConfigError(f"transformers= configures the transformers engine, but inference={inference!r}: "
+                              "drop transformers= or use inference='transformers'")
+        if transformers is not None and not isinstance(transformers, TransformersOptions):
+            raise ConfigError(f"transformers= takes a TransformersOptions, not {type(transformers).__name__}: "
+                              "e.g. TransformersOptions(packed_weights=True)")
+        self.transformers = transformers or TransformersOptions()
         self._trainer.check(device)
         self._inference.check(self.vllm)
         self.serve = serve
@@ -341,7 +352,8 @@ class LocalBackend:
         serving = await self._inference.start(EngineContext(
             spec=model, base_dir=base_dir, policy=trainer.model, tokenizer=trainer.tokenizer, step=step,
             adapter_dir=adapter_dir, trainer_device=device, inference_device=self.inference_device or device,
-            trainer_shares=self._trainer.shares_with_engine, vllm=self.vllm, log_dir=model_dir / "logs"))
+            trainer_shares=self._trainer.shares_with_engine, vllm=self.vllm, log_dir=model_dir / "logs",
+            transformers=self.transformers))
         return _Slot(trainer, serving, model_dir, step)
 
     def _train_sync(self, slot: _Slot, groups: list[TrajectoryGroup], config: TrainConfig,
