@@ -411,7 +411,8 @@ def lean_mlp(model: torch.nn.Module) -> Iterator[None]:
     """
     patched = []
     for module in model.modules():
-        if type(module).__name__ in _SWIGLU_MLPS and "forward" not in vars(module) and _is_silu(module):
+        if (type(module).__name__ in _SWIGLU_MLPS and "forward" not in vars(module) and _is_silu(module)
+                and type(module).forward.__module__.startswith("transformers.")):  # not one patched by e.g. Unsloth
             module.forward = _swiglu_forward.__get__(module)
             patched.append(module)
     try:
