@@ -174,3 +174,52 @@ def test_native_gqa_attention_changes_nothing_but_memory(tiny_model_dir):
     torch.testing.assert_close(native[mask > 0], plain[mask > 0], atol=1e-6, rtol=0)
     for name in g_plain:
         torch.testing.assert_close(g_native[name], g_plain[name], atol=1e-6, rtol=1e-5)
+
+
+def test_lean_activations_give_the_same_bits(tiny_model_dir, monkeypatch):
+    """The memory savings of the training forward (``SwiGLU`` with down_proj's input recomputed, one copy of a
+    shared prefix's K/V in attention) leave the log-probs and every LoRA gradient bit for bit as plain autograd
+    gives them, behind a shared prefix with a padded row; the MLPs' ``forward`` is the class's again after."""
+    from contextlib import contextmanager
+
+    from art_core.training import forward
+
+    torch.manual_seed(0)
+    model, _ = load_policy(tiny_model_dir, LoraSettings(), device="cpu")
+    for p in model.parameters():
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.05)
+    samples = [s for t in _group(3) for s in trajectory_samples(t)]
+    for s in samples:
+        s.advantage = 1.0
+    plan = plan_micro_batches([samples], token_budget=4096, share_prefix=True)
+    (mb,) = plan[0].micro_batches
+    assert len(set(mb.attention_mask.sum(1).tolist())) > 1  # rows of different lengths: padding in the batch
+    prefix_attention = forward._PrefixAttention.apply
+    calls = []
+    monkeypatch.setattr(forward._PrefixAttention, "apply", lambda *a: calls.append(1) or prefix_attention(*a))
+
+    def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        prefix = SharedPrefix(model, plan[0].prefix_ids, grad=True)
+        out = micro_batch_logprobs(model, mb, prefix)
+        (out.logprobs * mb.trained).sum().backward()
+        prefix.backward()
+        return out.logprobs.detach(), _grads(model)
+
+    lean_lp, lean_grads = run()
+    assert len(calls) == model.config.num_hidden_layers  # every layer's attention kept one prefix K/V copy
+
+    @contextmanager
+    def plain(model, prefix_length=0):
+        with forward.native_gqa_attention(model):
+            yield
+
+    monkeypatch.setattr(forward, "_lean_forward", plain)
+    monkeypatch.setattr(forward, "lean_mlp", lambda model: plain(model))
+    plain_lp, plain_grads = run()
+    assert torch.equal(lean_lp, plain_lp)
+    assert lean_grads.keys() == plain_grads.keys() and lean_grads
+    for name in plain_grads:
+        assert torch.equal(lean_grads[name], plain_grads[name]), name
+    assert not any("forward" in vars(m) for m in model.modules())
