@@ -241,6 +241,7 @@ def test_chat_prompts_the_sdk_must_see_are_left_to_it(client: Langfuse):
     assert handler._prompt_text(messages, {"invocation_params": {}}) == json.dumps(
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], cls=EventSerializer)
     assert handler._prompt_text(messages, {"invocation_params": {"tools": [{"type": "function"}]}}) is None
-    image = [[HumanMessage(content=[{"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}])]]
+    image = [[HumanMessage(content=[{"type": "image_url",
+                                     "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}])]]
     assert handler._prompt_text(image, {"invocation_params": {}}) is None
     assert handler._prompt_text([[object()]], {"invocation_params": {}}) is None
