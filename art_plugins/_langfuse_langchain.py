@@ -14,7 +14,12 @@ encoding of its input and output; then its export. This subclass does that work 
 - **Routing functions fold into their node.** A conditional edge's routing function runs inside its source
   node; it gets no observation of its own (its input was the whole state again, its output one name). The
   route it chose is written on the node's observation as metadata ``langgraph_route`` (a list when a node has
-  several conditional edges). A routing function that raises leaves its error on the node's observation.
+  several conditional edges), straight onto the observation's OpenTelemetry span (the same attribute the SDK's
+  ``update(metadata=...)`` writes, without its media scan and re-encoding; through ``update`` when the client
+  masks). A routing function that raises leaves its error on the node's observation.
+- **Chat prompts as text.** An LLM call's input (its messages, as the SDK converts them) is JSON-encoded once
+  per message per rollout and joined, the same text the SDK would write; a call offering tools, a message
+  holding a data URI or anything besides plain JSON data, or a masking client takes the SDK's own path.
 - **LangGraph's bookkeeping is left out of the metadata**: ``langgraph_triggers``, ``langgraph_path``,
   ``langgraph_checkpoint_ns`` and ``checkpoint_ns``, and the ``graph:step:N`` / ``seq:step:N`` tags (the step
   is ``langgraph_step``; the nesting is the observation tree). ``langgraph_step``, ``langgraph_node`` and any
@@ -28,6 +33,8 @@ from typing import Any
 from uuid import UUID
 
 from langchain_core.messages import BaseMessage
+from langfuse import LangfuseOtelSpanAttributes
+from langfuse._client.attributes import _serialize_metadata_value
 from langfuse._utils.serializer import EventSerializer
 from langfuse.langchain import CallbackHandler
 from langfuse.logger import langfuse_logger
@@ -38,6 +45,10 @@ BOOKKEEPING_KEYS = frozenset({"langgraph_triggers", "langgraph_path", "langgraph
 BOOKKEEPING_TAGS = ("graph:step:", "seq:step:")
 NODE_TAG = "graph:step:"  # LangGraph tags each node's run with it (and only that run)
 ROUTE_KEY = "langgraph_route"
+ROUTE_ATTRIBUTE = f"{LangfuseOtelSpanAttributes.OBSERVATION_METADATA}.{ROUTE_KEY}"
+# The SDK's shared body of on_llm_start / on_chat_model_start (private, name-mangled): it takes the prompt as
+# given. An SDK without it leaves chat prompts to the SDK's own on_chat_model_start.
+_ON_LLM_ACTION = getattr(CallbackHandler, f"_{CallbackHandler.__name__}__on_llm_action", None)
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "function"}
 
 
@@ -57,6 +68,7 @@ class LightStateHandler(CallbackHandler):  # type: ignore[misc]
             text_states = getattr(self._langfuse_client, "_mask", "unknown") is None
         self.text_states = text_states
         self._messages: dict[int, tuple[Any, dict[str, Any], str | None]] = {}  # id -> (message, dict, JSON)
+        self._prompts: dict[int, tuple[Any, str | None]] = {}  # id -> (message, the SDK's prompt dict as JSON)
         self._nodes: dict[UUID, list[Any]] = {}  # a LangGraph node's run id -> the routes its edges chose
         self._routing: dict[UUID, UUID] = {}  # a routing function's run id -> its node's run id
 
@@ -95,8 +107,18 @@ class LightStateHandler(CallbackHandler):  # type: ignore[misc]
                             tags: list[str] | None = None, metadata: dict[str, Any] | None = None,
                             **kwargs: Any) -> Any:
         parent_run_id = self._parent(parent_run_id)
-        return super().on_chat_model_start(serialized, messages, run_id=run_id, parent_run_id=parent_run_id,
-                                           tags=_tags(tags), metadata=_metadata(metadata), **kwargs)
+        tags, metadata = _tags(tags), _metadata(metadata)
+        text = self._prompt_text(messages, kwargs) if self.text_states and _ON_LLM_ACTION is not None else None
+        if text is None:
+            return super().on_chat_model_start(serialized, messages, run_id=run_id, parent_run_id=parent_run_id,
+                                               tags=tags, metadata=metadata, **kwargs)
+        # What the SDK's ``on_chat_model_start`` does, with the prompt given as the text it would have written.
+        self._track_run(run_id=run_id, parent_run_id=parent_run_id, metadata=metadata)
+        try:
+            _ON_LLM_ACTION(self, serialized, run_id, text, parent_run_id, tags=tags, metadata=metadata, **kwargs)
+        except Exception as exc:
+            langfuse_logger.exception(exc)
+        return None
 
     def on_llm_start(self, serialized: Any, prompts: Any, *, run_id: UUID, parent_run_id: UUID | None = None,
                      tags: list[str] | None = None, metadata: dict[str, Any] | None = None, **kwargs: Any) -> Any:
@@ -129,8 +151,13 @@ class LightStateHandler(CallbackHandler):  # type: ignore[misc]
         if routes is None or observation is None:
             return
         routes.append(outputs)
+        route = routes[0] if len(routes) == 1 else routes
         try:
-            observation.update(metadata={ROUTE_KEY: routes[0] if len(routes) == 1 else routes})
+            span = getattr(observation, "_otel_span", None) if self.text_states else None
+            if span is not None and _is_plain(route, 0):
+                span.set_attribute(ROUTE_ATTRIBUTE, _serialize_metadata_value(route))
+            else:  # a masking client (or an odd route): the SDK's own path, mask and media scan included
+                observation.update(metadata={ROUTE_KEY: route})
         except Exception as exc:  # as the SDK's own callbacks do: logged (and counted), never failing the graph
             langfuse_logger.exception(exc)
 
@@ -169,6 +196,30 @@ class LightStateHandler(CallbackHandler):  # type: ignore[misc]
                 return None
             parts.append(json.dumps(key) + ": " + text)
         return "{" + ", ".join(parts) + "}"
+
+    def _prompt_text(self, messages: Any, kwargs: dict[str, Any]) -> str | None:
+        """The JSON the SDK would write for a chat call's input, joined from each message's cached JSON; None
+        when the call offers tools (the SDK appends them) or a message is not plain JSON data."""
+        params = kwargs.get("invocation_params")
+        if not isinstance(params, dict) or params.get("tools") or not isinstance(messages, list):
+            return None
+        pieces = []
+        for batch in messages:
+            if not isinstance(batch, list):
+                return None
+            for message in batch:
+                cached = self._prompts.get(id(message))
+                if cached is None or cached[0] is not message:
+                    try:
+                        converted = self._convert_message_to_dict(message)
+                    except Exception:  # an unknown message type: the SDK's path reports it
+                        return None
+                    cached = (message, _plain_json(converted))
+                    self._prompts[id(message)] = cached  # the message is kept: its id stays unique
+                if cached[1] is None:
+                    return None
+                pieces.append(cached[1])
+        return "[" + ", ".join(pieces) + "]"
 
     def _message(self, message: Any) -> tuple[dict[str, Any], str | None]:
         """A message's compact dict and its JSON (None if it holds a data URI), computed once per rollout."""

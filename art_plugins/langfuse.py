@@ -99,6 +99,10 @@ ROLLOUT_TRACE_NAME = "rollout"
 STEP_TRACE_NAME = "training-step"
 _FAILURE_LOGGERS = ("langfuse", "opentelemetry.exporter", "opentelemetry.sdk.trace.export")
 _METADATA = LangfuseOtelSpanAttributes.OBSERVATION_METADATA
+_USAGE_KEY = LangfuseOtelSpanAttributes.OBSERVATION_USAGE_DETAILS
+_ROLLOUT_ID_KEY, _ADAPTER_STEP_KEY, _REQUEST_ID_KEY, _PROMPT_TOKENS_KEY, _TRAINABLE_KEY, _COMPLETION_TOKENS_KEY = (
+    f"{_METADATA}.{key}" for key in ("rollout_id", "adapter_step", "request_id", "prompt_tokens", "trainable",
+                                     "completion_tokens"))
 _LLM_SPAN_MARKS = ((LangfuseOtelSpanAttributes.OBSERVATION_TYPE, "generation"),  # Langfuse's LangChain handler
                    ("openinference.span.kind", "LLM"))                            # OpenInference (Agents SDK)
 
@@ -317,6 +321,7 @@ class RolloutTrace:
         self.trace_id = (tracing.client.get_current_trace_id() if self.item is not None else None) \
             or Langfuse.create_trace_id(seed=scope.trajectory_id)
         self.root: Any = None
+        self._rollout_id_json = json.dumps(scope.rollout_id)
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> RolloutTrace:
@@ -380,24 +385,30 @@ class RolloutTrace:
                 return
             prompt = int(headers.get(PROMPT_TOKENS_HEADER, 0))
             request_id = headers.get(REQUEST_ID_HEADER)
-            facts = {"rollout_id": self.scope.rollout_id, "adapter_step": int(step), "request_id": request_id,
-                     "prompt_tokens": prompt, "trainable": True}
             # A live stream's headers leave before its tokens are sampled: its completion count is read from
             # the gateway's record once the body has been read (the gateway records before the last chunk).
             completion = headers.get(COMPLETION_TOKENS_HEADER)
             span = otel_trace.get_current_span()
             attributes = getattr(span, "attributes", None) or {}
             if span.is_recording() and any(attributes.get(k) == v for k, v in _LLM_SPAN_MARKS):
-                span.set_attributes({f"{_METADATA}.{key}": json.dumps(value) for key, value in facts.items()})
+                # The attributes ``update(metadata=...)`` would write (each value JSON-encoded), set directly:
+                # ints and the rollout id's JSON (encoded once per rollout) need no encoder.
+                span.set_attributes({_ROLLOUT_ID_KEY: self._rollout_id_json, _ADAPTER_STEP_KEY: str(int(step)),
+                                     _REQUEST_ID_KEY: json.dumps(request_id), _PROMPT_TOKENS_KEY: str(prompt),
+                                     _TRAINABLE_KEY: "true"})
 
                 def write(count: int | None) -> None:
-                    written = {LangfuseOtelSpanAttributes.OBSERVATION_USAGE_DETAILS: json.dumps(_usage(prompt, count))}
-                    if count is not None:
-                        written[f"{_METADATA}.completion_tokens"] = json.dumps(count)
-                    span.set_attributes(written)
+                    if count is None:
+                        span.set_attribute(_USAGE_KEY, f'{{"input": {prompt}}}')
+                    else:  # json.dumps(_usage(prompt, count)), written out
+                        span.set_attributes({
+                            _USAGE_KEY: f'{{"input": {prompt}, "output": {count}, "total": {prompt + count}}}',
+                            _COMPLETION_TOKENS_KEY: str(count)})
             else:
                 # No framework observation around the call (a client outside the instrumented frameworks):
                 # record the call as a generation of its own under the rollout.
+                facts = {"rollout_id": self.scope.rollout_id, "adapter_step": int(step), "request_id": request_id,
+                         "prompt_tokens": prompt, "trainable": True}
                 parent = {"parent_span_id": self.root.id} if self.root else {}
                 generation = self.tracing.client.start_observation(
                     trace_context={"trace_id": self.trace_id, **parent}, name="trainable-call", as_type="generation",

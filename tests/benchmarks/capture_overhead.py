@@ -10,15 +10,25 @@ token of a tiny random model so that its noise does not drown the fraction of a 
 A third side runs the same graph wrapped with Langfuse on (``trainable(..., langfuse=...)``): the real
 ``langfuse`` SDK sends to a local receiver standing in for Langfuse (``tests/langfuse_receiver.py``), so
 its per-call cost is the rollout trace, the LangChain callback handler's observations, the gateway facts
-written onto each LLM observation, and the SDK's background export competing for the same CPU.
+written onto each LLM observation, and the SDK's background export competing for the same CPU. The receiver
+runs in a process of its own, as a Langfuse server would: its decoding of the exported protobuf is the
+server's work, not the agent's, and in this process it would take the agent's interpreter lock
+(``--receiver-in-process`` puts it back, to compare).
 
 A fourth side runs the wrapped graph with a LangChain callback handler that does nothing: what LangChain
 and LangGraph's callback machinery alone costs per call once any handler is attached (run managers, one
 callback per node, routing function and LLM call), the floor under Langfuse's ``CallbackHandler``.
 
+With Langfuse on, the extra CPU time of the event loop's thread per call (``overhead_cpu_ms_median_langfuse``,
+the same pairing, measured with ``time.thread_time``) is printed too: the part of the overhead that other
+processes' load cannot inflate, a cross-check on a shared machine.
+
 Also printed: the cost of the routing decision alone (``Route.rewrite`` on a typical request), in process.
 
-    python tests/benchmarks/capture_overhead.py [--runs 30] [--calls 10]
+    python tests/benchmarks/capture_overhead.py [--runs 100] [--calls 10]
+
+The four sides are interleaved run by run (the order rotates), so the machine's load hits all of them alike;
+each figure is the median of ``--runs`` paired differences (100 by default: about a minute of runs).
 
 Goals: at most 1 ms median per call for the adapter, at most 2 ms with Langfuse on. The last line is a JSON
 object with ``overhead_ms_median`` and ``overhead_ms_median_langfuse``.
@@ -29,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import statistics
 import sys
 import tempfile
@@ -92,6 +103,33 @@ def tiny_model(folder: Path) -> Path:
     return folder
 
 
+def serve_receiver(conn: Any) -> None:
+    """In a process of its own: a Langfuse stand-in; sends its URL, and its span count once told to stop."""
+    receiver = Receiver().start()
+    conn.send(receiver.url)
+    conn.recv()
+    with receiver._lock:
+        conn.send(len(receiver.spans))
+    receiver.close()
+
+
+class ReceiverProcess:
+    """``tests/langfuse_receiver.py``'s receiver in a child process (``url``; ``close()`` returns its span count)."""
+
+    def __init__(self) -> None:
+        self._conn, child = multiprocessing.get_context("spawn").Pipe()
+        self._process = multiprocessing.get_context("spawn").Process(target=serve_receiver, args=(child,),
+                                                                      daemon=True)
+        self._process.start()
+        self.url = self._conn.recv()
+
+    def close(self) -> int:
+        self._conn.send("stop")
+        count = int(self._conn.recv())
+        self._process.join(10)
+        return count
+
+
 def rewrite_cost_us(repeats: int = 20_000) -> float:
     import httpx2
 
@@ -107,14 +145,14 @@ def rewrite_cost_us(repeats: int = 20_000) -> float:
     return (time.perf_counter() - started) / repeats * 1e6
 
 
-async def main(runs: int, calls: int) -> dict[str, float]:
+async def main(runs: int, calls: int, receiver_in_process: bool = False) -> dict[str, float]:
     from langfuse import Langfuse
     from opentelemetry.sdk.trace import TracerProvider
 
     from art_plugins.langfuse import LangfuseTracing
 
     torch.set_num_threads(1)
-    receiver = Receiver().start()
+    receiver: Any = Receiver().start() if receiver_in_process else ReceiverProcess()
     with tempfile.TemporaryDirectory() as tmp:
         model = TrainableModel(name="agent", base_model=tiny_model(Path(tmp) / "tiny"))
         async with LocalBackend(path=Path(tmp) / "art", show_progress=False, num_threads=1) as backend:
@@ -156,11 +194,15 @@ async def main(runs: int, calls: int) -> dict[str, float]:
                 for side in sides:
                     await side()
             direct_ms, wrapped_ms, overhead_ms, traced_ms, traced_overhead_ms = [], [], [], [], []
-            callbacks_overhead_ms = []
+            callbacks_overhead_ms, traced_cpu_ms = [], []
             for i in range(runs):
                 # Rotate which side goes first, so none always follows another.
                 order = sides[i % len(sides):] + sides[: i % len(sides)]
-                took = {side: await side() for side in order}
+                took, cpu = {}, {}
+                for side in order:
+                    cpu_started = time.thread_time()  # this thread's CPU: the agent's loop, gateway and handlers
+                    took[side] = await side()
+                    cpu[side] = time.thread_time() - cpu_started
                 d, w, t = took[run_direct], took[run_wrapped], took[run_traced]
                 direct_ms.append(d / calls * 1e3)
                 wrapped_ms.append(w / calls * 1e3)
@@ -168,10 +210,12 @@ async def main(runs: int, calls: int) -> dict[str, float]:
                 traced_ms.append(t / calls * 1e3)
                 traced_overhead_ms.append((t - d) / calls * 1e3)
                 callbacks_overhead_ms.append((took[run_callbacks] - d) / calls * 1e3)
+                traced_cpu_ms.append((cpu[run_traced] - cpu[run_direct]) / calls * 1e3)
             await tracing.flush()
-            spans_received = len(receiver.spans)
             await tracing.aclose()
-    receiver.close()
+    spans_received = len(receiver.spans) if receiver_in_process else receiver.close()
+    if receiver_in_process:
+        receiver.close()
     figures = {
         "calls_measured": runs * calls,
         "direct_ms_per_call_median": round(statistics.median(direct_ms), 3),
@@ -185,16 +229,19 @@ async def main(runs: int, calls: int) -> dict[str, float]:
         "overhead_ms_p90_langfuse": round(statistics.quantiles(traced_overhead_ms, n=10)[-1], 3),
         "langfuse_spans_received": spans_received,
         "overhead_ms_median_noop_callbacks": round(statistics.median(callbacks_overhead_ms), 3),
+        "overhead_cpu_ms_median_langfuse": round(statistics.median(traced_cpu_ms), 3),
     }
     return figures
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=30, help="paired runs (default 30)")
+    parser.add_argument("--runs", type=int, default=100, help="paired runs (default 100)")
     parser.add_argument("--calls", type=int, default=10, help="LLM calls per run (default 10)")
+    parser.add_argument("--receiver-in-process", action="store_true",
+                        help="run the Langfuse stand-in in this process (its decoding then competes with the agent)")
     args = parser.parse_args()
-    figures = asyncio.run(main(args.runs, args.calls))
+    figures = asyncio.run(main(args.runs, args.calls, args.receiver_in_process))
     print(f"{figures['calls_measured']} calls per side: direct {figures['direct_ms_per_call_median']} ms/call, "
           f"wrapped {figures['wrapped_ms_per_call_median']} ms/call")
     print(f"adapter overhead per call: median {figures['overhead_ms_median']} ms "
@@ -202,6 +249,8 @@ if __name__ == "__main__":
     print(f"with Langfuse on: {figures['langfuse_ms_per_call_median']} ms/call, overhead median "
           f"{figures['overhead_ms_median_langfuse']} ms (p90 {figures['overhead_ms_p90_langfuse']}); goal <= 2 ms; "
           f"{figures['langfuse_spans_received']} spans reached the receiver")
+    print(f"  of which the event loop's own thread: {figures['overhead_cpu_ms_median_langfuse']} ms of CPU per call "
+          "(median; the SDK's export thread not included)")
     print(f"adapter + a do-nothing LangChain callback handler (the callback machinery's floor): overhead median "
           f"{figures['overhead_ms_median_noop_callbacks']} ms per call")
     print(f"routing decision alone: {figures['route_rewrite_us']} us per request")

@@ -186,3 +186,62 @@ def test_a_client_with_a_mask_gets_dicts(receiver: Receiver):
         assert handler._state({"turns": 1}) == {"turns": 1}
     finally:
         masked.shutdown()
+
+
+def chat_graph() -> Any:
+    """One node asking a chat model about the whole conversation (LangChain's ``GenericFakeChatModel`` stands in
+    for the LLM: the prompt is what is checked, and the LLM path is checked end to end in ``test_langfuse.py``),
+    then routed by ``decide`` as in ``graph``."""
+    from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+
+    llm = GenericFakeChatModel(messages=iter([AIMessage(content="one"), AIMessage(content="two")]))
+
+    async def chat(state: State) -> dict[str, Any]:
+        reply = await llm.ainvoke(state["messages"])
+        turn = state.get("turns", 0) + 1
+        extra = [AIMessage(content=f"turn {turn}", tool_calls=[TOOL_CALL], additional_kwargs={"name": "bot"}),
+                 ToolMessage(content="🙂 found", tool_call_id="call_1")]
+        return {"messages": [reply, *extra], "turns": turn}
+
+    builder = StateGraph(State)
+    builder.add_node("chat", chat)
+    builder.add_edge(START, "chat")
+    builder.add_conditional_edges("chat", lambda state: "chat" if state["turns"] < 2 else END)
+    return builder.compile()
+
+
+async def test_chat_prompts_and_routes_are_the_text_the_sdk_would_write(client: Langfuse, receiver: Receiver):
+    # Chat prompts given as text (each message encoded once) and routes written straight onto the span must read
+    # exactly as the SDK's own path writes them (the same handler giving the SDK messages and update()).
+    from art_plugins import _langfuse_langchain
+
+    assert _langfuse_langchain._ON_LLM_ACTION is not None  # the SDK still has the body the text prompt goes to
+    as_text = await run(client, receiver, chat_graph())
+    as_dicts = await run(client, receiver, chat_graph(), text_states=False)
+    for span_name, key in (("GenericFakeChatModel", "langfuse.observation.input"),
+                           ("chat", "langfuse.observation.metadata.langgraph_route")):
+        text = sorted(s.attributes[key] for s in as_text if s.name == span_name)
+        dicts = sorted(s.attributes[key] for s in as_dicts if s.name == span_name)
+        assert text == dicts and len(text) == 2, (span_name, text, dicts)
+    prompts = sorted((json.loads(s.attributes["langfuse.observation.input"]) for s in as_text
+                      if s.name == "GenericFakeChatModel"), key=len)
+    assert prompts[0] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Où est le café ?"}]
+    assert prompts[1][3]["tool_calls"][0]["args"] == TOOL_CALL["args"] and prompts[1][3]["name"] == "bot"
+    generations = [s for s in as_text if s.name == "GenericFakeChatModel"]
+    assert all(s.attributes["langfuse.observation.type"] == "generation" for s in generations)
+    by_id = {s.span_id: s for s in as_text}
+    assert all(by_id[s.parent_id].name == "chat" for s in generations)
+
+
+def test_chat_prompts_the_sdk_must_see_are_left_to_it(client: Langfuse):
+    # Tools offered (the SDK appends their definitions to the prompt), a data URI (media the SDK uploads), or a
+    # message type the SDK does not know: the SDK's own path.
+    handler = light()
+    messages = [[SystemMessage(content="Be brief."), HumanMessage(content="hi")]]
+    assert handler._prompt_text(messages, {"invocation_params": {}}) == json.dumps(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], cls=EventSerializer)
+    assert handler._prompt_text(messages, {"invocation_params": {"tools": [{"type": "function"}]}}) is None
+    image = [[HumanMessage(content=[{"type": "image_url",
+                                     "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}])]]
+    assert handler._prompt_text(image, {"invocation_params": {}}) is None
+    assert handler._prompt_text([[object()]], {"invocation_params": {}}) is None
