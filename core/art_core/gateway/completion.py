@@ -368,7 +368,9 @@ class Completion:
         if answer.tool_calls:
             reply["tool_calls"] = [c.model_dump() for c in answer.tool_calls]
         state = self.state
-        state.records.add(ExchangeRecord(
+        # Constructed without validating again: every value was made and typed by the pipeline (validation
+        # would also deep-copy the request and messages, per call).
+        state.records.add(ExchangeRecord.model_construct(
             request_id=self.request_id, choice_index=choice.index, rollout_id=self.rollout_id, created=self.created,
             endpoint=self.endpoint, model=self.body.model, adapter_step=choice.adapter_step, request=self.raw,
             prompt_token_ids=self.prompt_ids, completion_token_ids=list(choice.token_ids),
