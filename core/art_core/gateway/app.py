@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..engines.base import Engine
 from . import chat, responses, served
 from .auth import BearerAuth
+from .chat_template import ChatTemplate
 from .control import GatewayControl
 from .errors import error_response, install_error_handlers
 from .metrics import GatewayMetrics
@@ -80,6 +81,7 @@ def create_app(
         metrics=metrics if metrics is not None else GatewayMetrics(),
         detokenizer=Detokenizer(engine.tokenizer),
         prompt_encoder=PromptEncoder(engine.tokenizer),
+        chat_template=ChatTemplate(engine.tokenizer),
     )
     app = _GatewayApp(title="art-core gateway", docs_url=None, redoc_url=None, openapi_url=None,
                       **_NO_NATIVE_TELEMETRY)

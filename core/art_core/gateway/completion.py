@@ -199,7 +199,7 @@ class Completion:
         self.tool_names = [t.function.name for t in body.tools or []] if offered else None
         self.messages = [m.model_dump(exclude_none=True) for m in body.messages]  # dumped once: template and record
         self.prompt_ids = render_prompt(state.engine.tokenizer, self.messages, self.tools,
-                                        encoder=state.prompt_encoder)
+                                        encoder=state.prompt_encoder, template=state.chat_template)
         self.top_n = body.top_logprobs or 0 if body.logprobs else -1  # -1: no logprobs for the client
 
     async def answers(self) -> list[Answer]:
