@@ -264,3 +264,25 @@ async def test_models_list_and_names(gateway: Gateway, engine: FakeEngine):
         with pytest.raises(openai.BadRequestError, match="path separator"):
             await client.chat.completions.create(model="../etc/passwd", messages=USER)
         assert (await client.models.retrieve("agent@3")).id == "agent@3"
+
+
+@pytest.mark.parametrize("case", ["text", "tool_call", "logprobs"])
+async def test_completion_json_is_the_chat_completion_model(gateway: Gateway, engine: FakeEngine, case: str):
+    # The answer is built as plain dicts for speed: it must stay exactly ChatCompletion's fields, in its order.
+    from art_core.gateway.schemas import ChatCompletion
+
+    body: dict = {"model": "agent", "messages": USER}
+    if case == "tool_call":
+        engine.reply, body["tools"] = TOOL_REPLY, [WEATHER_TOOL]
+    if case == "logprobs":
+        engine.reply, body["logprobs"], body["top_logprobs"] = "Hi 🙂", True, 2
+    async with httpx.AsyncClient() as client:
+        response = await client.post(f"{gateway.base_url}/chat/completions", json=body)
+    assert response.status_code == 200 and response.headers["content-type"] == "application/json"
+    got = response.json()
+    assert got == ChatCompletion.model_validate(got).model_dump(mode="json")  # no field missing, none extra
+    assert list(got) == list(ChatCompletion.model_fields)
+    assert list(got["choices"][0]) == ["index", "message", "finish_reason", "logprobs"]
+    assert list(got["choices"][0]["message"]) == ["role", "content", "tool_calls", "refusal"]
+    assert (got["choices"][0]["logprobs"] is None) == (case != "logprobs")
+    assert (got["choices"][0]["message"]["tool_calls"] is None) == (case != "tool_call")

@@ -13,6 +13,7 @@ from .errors import APIError
 from .metrics import GatewayMetrics
 from .records import RecordStore
 from .settings import GatewaySettings
+from .chat_template import ChatTemplate
 from .prompt_encoder import PromptEncoder
 from .tokens import Detokenizer
 
@@ -69,6 +70,8 @@ class GatewayState:
     metrics: GatewayMetrics
     detokenizer: Detokenizer
     prompt_encoder: PromptEncoder
+    chat_template: ChatTemplate | None = None
+    """Renders prompts with the per-tokenizer work done once (None: ``apply_chat_template`` each time)."""
 
 
 async def get_state(request: Request) -> GatewayState:

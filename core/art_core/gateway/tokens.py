@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..messages import template_messages
+from .chat_template import ChatTemplate
 from .errors import APIError
 from .prompt_encoder import PromptEncoder
 
@@ -24,12 +25,14 @@ _KEEP_SPECIAL = ("<tool_call>", "</tool_call>", "<|python_tag|>")
 
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *,
-                  encoder: PromptEncoder | None = None) -> list[int]:
+                  encoder: PromptEncoder | None = None, template: ChatTemplate | None = None) -> list[int]:
     """Prompt token ids: the conversation through the chat template, ending with the assistant's header.
 
     ``messages`` are OpenAI chat messages; ``art_core.messages.template_messages`` converts them first.
     ``encoder`` (the gateway's, built on ``tokenizer``) reuses the ids of text seen in earlier prompts;
-    without it the text is encoded whole. The ids are the same either way.
+    without it the text is encoded whole. ``template`` (the gateway's, built on ``tokenizer``) renders with
+    the per-tokenizer work done once; without it ``apply_chat_template`` renders. The ids are the same
+    either way.
 
     Raises:
         APIError: 422 when the template refuses the conversation (e.g. an image part for a text model);
@@ -38,8 +41,10 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[di
     try:
         # Render to text, then encode: what apply_chat_template(tokenize=True) does (add_special_tokens=False),
         # without the ~0.2 ms its general __call__ path (padding, truncation, BatchEncoding) adds per request.
-        text = tokenizer.apply_chat_template(template_messages(messages), tools=tools or None,
-                                             add_generation_prompt=True, tokenize=False)
+        converted = template_messages(messages)
+        text = (template.render(converted, tools or None) if template is not None else
+                tokenizer.apply_chat_template(converted, tools=tools or None, add_generation_prompt=True,
+                                              tokenize=False))
     except Exception as exc:  # jinja's TemplateError, raise_exception(), or a template tripping on odd input
         logger.info("chat template refused a request: %s: %s", type(exc).__name__, exc)
         raise APIError(
