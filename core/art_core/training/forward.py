@@ -12,7 +12,7 @@ prompt is long, and the memory held at any time is one prefix graph plus one mic
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
