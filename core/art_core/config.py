@@ -5,9 +5,11 @@ Unknown keys are an error (``extra="forbid"``), and every default says why on it
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import ConfigError
 
 __all__ = ["LoraSettings", "LossName", "TrainConfig"]
 
@@ -18,6 +20,21 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CheckedSettings(BaseModel):
+    """Settings whose invalid values raise ``ConfigError`` (every problem listed), not pydantic's error.
+
+    Subclasses name themselves in that message with ``settings_name`` (e.g. ``"VLLMOptions"``).
+    """
+
+    settings_name: ClassVar[str] = "settings"
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ConfigError(f"invalid {type(self).settings_name} ({exc.error_count()} problem(s)):\n{exc}") from exc
 
 
 class LoraSettings(_Config):

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field
 
+from ..config import CheckedSettings
 from ..errors import ConfigError
 from .base import ModelSpec
 
@@ -41,13 +42,14 @@ _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM accepts for ``--max-lora-rank``."""
 
 
-class VLLMOptions(BaseModel):
+class VLLMOptions(CheckedSettings):
     """How ``LocalBackend(inference="vllm")`` starts vLLM (one typed field for everything passed to it).
 
     Raises:
         ConfigError: a value is invalid (every problem is listed).
     """
 
+    settings_name = "VLLMOptions"
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     python: str = "vllm"
@@ -69,20 +71,16 @@ class VLLMOptions(BaseModel):
     startup_timeout: float = Field(600.0, gt=0)
     """Seconds to wait for the server: ~1-2 min on 2 CPU cores, more while the machine is busy."""
 
-    def __init__(self, **data: Any) -> None:
-        try:
-            super().__init__(**data)
-        except ValidationError as exc:
-            raise ConfigError(f"invalid VLLMOptions ({exc.error_count()} problem(s)):\n{exc}") from exc
 
 
-class TransformersOptions(BaseModel):
+class TransformersOptions(CheckedSettings):
     """How ``LocalBackend(inference="transformers")`` builds its ``TransformersEngine`` (the engine's own options).
 
     Raises:
         ConfigError: a value is invalid (every problem is listed).
     """
 
+    settings_name = "TransformersOptions"
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     packed_weights: bool = False
@@ -96,11 +94,6 @@ class TransformersOptions(BaseModel):
     max_batch_rows: int = Field(64, ge=1)
     """Most sequences decoded together (a request with ``n=8`` takes 8 rows)."""
 
-    def __init__(self, **data: Any) -> None:
-        try:
-            super().__init__(**data)
-        except ValidationError as exc:
-            raise ConfigError(f"invalid TransformersOptions ({exc.error_count()} problem(s)):\n{exc}") from exc
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The ``TransformersEngine`` keyword arguments these options stand for."""

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from ..errors import ConfigError
+from ..config import CheckedSettings
 
 __all__ = ["GatewaySettings", "is_loopback_host"]
 
@@ -25,7 +24,7 @@ def is_loopback_host(host: str) -> bool:
         return False  # a host name other than localhost may resolve to anything: treat it as exposed
 
 
-class GatewaySettings(BaseModel):
+class GatewaySettings(CheckedSettings):
     """How the gateway serves the model being trained.
 
     Raises:
@@ -33,6 +32,7 @@ class GatewaySettings(BaseModel):
             Every problem is listed in the one error.
     """
 
+    settings_name = "gateway settings"
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     host: str = "127.0.0.1"
@@ -59,12 +59,6 @@ class GatewaySettings(BaseModel):
     must not lose answered calls either."""
     max_records_in_memory: int = Field(10_000, ge=1)
     """In-memory index size; the oldest records are evicted (they stay in ``records_path`` when set)."""
-
-    def __init__(self, **data: Any) -> None:
-        try:
-            super().__init__(**data)
-        except ValidationError as exc:
-            raise ConfigError(f"invalid gateway settings ({exc.error_count()} problem(s)):\n{exc}") from exc
 
     @model_validator(mode="after")
     def _exposed_needs_key(self) -> GatewaySettings:
