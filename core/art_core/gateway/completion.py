@@ -205,9 +205,10 @@ class Completion:
     async def answers(self) -> list[Answer]:
         """Sample every choice to its end and return the answers (records written), in choice order.
 
-        What ``events(live=False)`` does, written as one loop over the engine's tokens: no text is streamed,
-        so the two generator layers every token would pass through there (about a quarter of the gateway's
-        own time per call, benchmark part (c)) add nothing. Records, errors and cancellation are the same.
+        ``events`` without the streamed text and tool calls, as one loop over the engine's tokens in the
+        request's own task: the pump's task and queue and the generator layers every token passes through
+        there (about a quarter of the gateway's own time per call, benchmark part (c)) would add nothing.
+        Records, errors and cancellation are the same.
 
         Raises:
             APIError: the engine refused the request (400), is unavailable (503) or failed (500).
@@ -241,39 +242,33 @@ class Completion:
             raise _contract_broken(f"ended without finishing completion(s) {unfinished}")
         return [self._record(c, waited) for c in choices]
 
-    async def events(self, *, live: bool = True) -> AsyncIterator[Event]:
+    async def events(self) -> AsyncIterator[Event]:
         """Sample, yielding each choice's text and tool calls as they come, then a ``Done`` per choice.
 
         The ``Done`` events come after every choice has ended and every record has been written. If the
         iteration stops early (the reader closed it, or its task was cancelled), each unfinished choice is
         recorded with the tokens sampled so far and ``finish_reason="cancelled"``.
 
-        Args:
-            live: decode and parse as tokens arrive (streaming); False sends only the ``Done`` events.
-
         Raises:
             APIError: the engine refused the request (400), is unavailable (503) or failed (500).
         """
         state, params = self.state, self.params
-        choices = [_Choice(i, TextStream(state.detokenizer, params.stop) if live else None,
-                           ToolCallStream(tool_names=self.tool_names) if live and self.tool_names is not None else None)
+        choices = [_Choice(i, TextStream(state.detokenizer, params.stop),
+                           ToolCallStream(tool_names=self.tool_names) if self.tool_names is not None else None)
                    for i in range(params.n)]
-        tokens = stream_tokens(state.engine, self.prompt_ids, params)
-        pump: _EnginePump | _EngineReader = (_EnginePump(state, _engine_errors(tokens, params)) if live
-                                             else _EngineReader(state, tokens, params))
+        pump = _EnginePump(state, _engine_errors(stream_tokens(state.engine, self.prompt_ids, params), params))
         cancelled = False
         try:
             async for delta, arrived in pump:
                 choice = _take(choices, delta, params.n, arrived)
-                if live:
-                    for event in self._live_events(choice, delta):
-                        yield event
+                for event in self._live_events(choice, delta):
+                    yield event
             self._engine_called = pump.engine_called
             unfinished = [c.index for c in choices if c.finish is None]
             if unfinished:
                 raise _contract_broken(f"ended without finishing completion(s) {unfinished}")
             # The held-back text and calls first (a call's id is given when it is streamed), then the records.
-            tails = [self._tail(c) if live else [] for c in choices]
+            tails = [self._tail(c) for c in choices]
             answers = [self._record(c, pump.waited) for c in choices]
             for choice, answer, tail in zip(choices, answers, tails, strict=True):
                 for event in tail:
@@ -534,47 +529,6 @@ class _EnginePump:
             if isinstance(item, tuple):
                 items.append(item)
         return items
-
-
-class _EngineReader:
-    """``_EnginePump``'s interface, reading the engine in the request's own task: for a completion answered as
-    one JSON object. Its reader collects every token as it comes, so there is no slow client to outlast, and
-    the pump's task and queue would only add time (about a tenth of the gateway's own per call).
-    """
-
-    def __init__(self, state: GatewayState, tokens: AsyncIterator[TokenDelta], params: SamplingParams) -> None:
-        self.waited = 0.0
-        """Seconds the request was held by a training pause."""
-        self.engine_called = 0.0
-        self._state = state
-        self._tokens = tokens
-        self._params = params
-        self._read = self._deltas()
-
-    async def _deltas(self) -> AsyncIterator[tuple[TokenDelta, float]]:
-        # _engine_errors' mapping written in, rather than one more generator layer to pass every token through
-        try:
-            async with self._state.control.admitted() as self.waited:
-                self.engine_called = time.perf_counter()
-                async for delta in self._tokens:
-                    yield delta, time.perf_counter()
-        except (APIError, GeneratorExit, asyncio.CancelledError):
-            raise
-        except Exception as exc:
-            raise _engine_failure(exc, self._params) from exc
-        finally:
-            await self._tokens.aclose()  # type: ignore[attr-defined]
-
-    def __aiter__(self) -> AsyncIterator[tuple[TokenDelta, float]]:
-        return self._read
-
-    async def stop(self) -> None:
-        """Close the engine's side (when the reading stopped early) so that its rows are released."""
-        await self._read.aclose()  # type: ignore[attr-defined]
-
-    def left_over(self) -> list[tuple[TokenDelta, float]]:
-        """Nothing: every token the engine handed out has been read."""
-        return []
 
 
 # --- helpers ------------------------------------------------------------------------------------------
