@@ -7,6 +7,8 @@ backpropagates into those leaves. ``SharedPrefix.backward()`` then sends the acc
 through the prefix's graph once. The result equals running each full sequence separately (values exact,
 gradients to float rounding; see tests/training/test_forward.py) at a fraction of the work when the
 prompt is long, and the memory held at any time is one prefix graph plus one micro-batch graph.
+
+Both forwards run PEFT's LoRA layers fused (``fused_lora.py``) and keep fewer activations (``_lean_forward``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from .batching import MicroBatch
+from .fused_lora import fused_lora
 
 __all__ = [
     "ChunkedTokenLogprobs",
@@ -60,7 +63,7 @@ class SharedPrefix:
     def __init__(self, model: torch.nn.Module, prefix_ids: list[int], *, grad: bool) -> None:
         self.length = len(prefix_ids)
         ids = torch.tensor([prefix_ids], device=_device(model))
-        with torch.set_grad_enabled(grad), native_gqa_attention(model), lean_mlp(model):
+        with torch.set_grad_enabled(grad), fused_lora(model), native_gqa_attention(model), lean_mlp(model):
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
         self._grad = grad
         self._outputs: list[torch.Tensor] = [out.logits[0, -1]]  # [V]
@@ -137,13 +140,13 @@ def micro_batch_logprobs(
 
     lean = _lean_forward(model, prefix.length if prefix is not None else 0)
     if head is None:  # a head with extras (bias, scaling, soft-capping): take the model's own logits
-        with lean:
+        with fused_lora(model), lean:
             logits = model(input_ids=ids, **kwargs).logits  # [B, T, V]
         picked = logits[rows, cols]  # [N, V]
         rest = _selected_logprobs(picked, targets)  # [N]
         rest_entropy = _entropy(picked.detach()) if with_entropy else None
     else:
-        with lean:
+        with fused_lora(model), lean:
             hidden = _decoder(model)(input_ids=ids, **kwargs).last_hidden_state  # [B, T, H]
         rest, rest_entropy = chunked_token_logprobs(hidden[rows, cols], head.weight, targets,
                                                     chunk_size=chunk_size, with_entropy=with_entropy)
@@ -212,19 +215,24 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         logprobs = hidden.new_empty(n)
         entropy = hidden.new_zeros(n if with_entropy else 0)
         grad_rows = hidden.new_empty(hidden.shape) if ctx.needs_input_grad[0] else None
+        # The chunk's two [c, V] tensors, allocated once and reused by every chunk: each is its own mapping (see
+        # LOGPROB_CHUNK_BYTES), and a fresh one per chunk would cost a page fault per 4 KiB, every chunk.
+        rows = min(chunk_size, n)
+        logits_buffer = hidden.new_empty(rows, weight.shape[0])
+        log_softmax_buffer = hidden.new_empty(rows, weight.shape[0])
         for start in range(0, n, chunk_size):
             stop = min(start + chunk_size, n)
-            logits = torch.nn.functional.linear(hidden[start:stop], weight)  # [c, V]
-            lse = torch.logsumexp(logits, dim=-1)  # [c]
+            logits = torch.mm(hidden[start:stop], weight.t(), out=logits_buffer[: stop - start])  # [c, V]
+            # log_softmax: one kernel (max, sum of exps, write) where logsumexp needs temporaries and a subtraction
+            log_softmax = torch.log_softmax(logits, dim=-1, out=log_softmax_buffer[: stop - start])  # [c, V]
             tgt = targets[start:stop]
-            logprobs[start:stop] = logits.gather(-1, tgt[:, None])[:, 0] - lse
+            logprobs[start:stop] = log_softmax.gather(-1, tgt[:, None])[:, 0]
             if with_entropy or grad_rows is not None:
-                shifted = logits.sub_(lse[:, None])  # [c, V] log-softmax, in place of the logits
-                probs = shifted.exp()  # [c, V] softmax: with the log-softmax, the chunk's only [c, V] tensors
+                probs = torch.exp(log_softmax, out=logits)  # [c, V] softmax, in the logits' memory
                 if grad_rows is not None:
                     torch.sub(weight[tgt], probs @ weight, out=grad_rows[start:stop])  # [c, H]
                 if with_entropy:  # -sum_v p log p, summed as the full-logits path sums it; in place: no third [c, V]
-                    entropy[start:stop] = -shifted.mul_(probs).sum(-1)
+                    entropy[start:stop] = -log_softmax.mul_(probs).sum(-1)
         ctx.save_for_backward(grad_rows)
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
@@ -482,9 +490,8 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def _selected_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    # log_softmax(x)[y] = x[y] - logsumexp(x): avoids materialising a second [B, T, V] tensor.
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, T]
-    return picked - torch.logsumexp(logits, dim=-1)
+    # The same kernel as the chunked path's (logsumexp's temporary is as large, and rounds differently).
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [N]
 
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:
