@@ -22,6 +22,7 @@ import pytest
 import pytest_asyncio
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
+from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import create_react_agent
 from openai import AsyncOpenAI
 
@@ -206,8 +207,18 @@ async def test_vllm_dying_mid_rollout_names_its_log_and_keeps_the_step_on_disk(
         trajectory.reward = float(i)
     engine = (await _health(model))["engine"]
     chat = ChatOpenAI(model="agent", base_url=f"http://127.0.0.1:9/{uuid.uuid4().hex[:8]}/v1", api_key="unused",
-                      temperature=1.0, max_tokens=1500, max_retries=0)  # the random model rarely stops early
-    agent = trainable(create_react_agent(chat, [add], prompt="Use the tools."), model)
+                      temperature=1.0, max_tokens=1500, max_retries=0)
+
+    async def talk(state: MessagesState) -> dict[str, Any]:
+        return {"messages": [await chat.ainvoke(state["messages"])]}
+
+    # A graph that keeps calling the model (up to 10,000 steps): no rollout can end before the kill, even when the
+    # trained random model stops calls early (a react agent ends at its first answer without a tool call).
+    graph = StateGraph(MessagesState)
+    graph.add_node("talk", talk)
+    graph.add_edge(START, "talk")
+    graph.add_edge("talk", "talk")
+    agent = trainable(graph.compile(), model, recursion_limit=10_000)
     rollouts = asyncio.create_task(agent.group({"messages": [("user", "What is 2 + 2?")]}, n=4, reward=_reward))
     for _ in range(600):  # until vLLM is decoding the group's calls
         if (await _health(model))["engine"]["in_flight"]:
