@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
-from art_core.gateway.state import CALLER_HEADER, SEED_HEADER
+from art_core.wire import CALLER_HEADER, SEED_HEADER
 
 __all__ = ["CountingTransport", "Route", "current_route", "derive_seed", "routed", "wrappers_installed"]
 

@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from art_core import TrainableModel, Trajectory, TrajectoryGroup
 from art_core.errors import ConfigError
-from art_core.gateway.state import (
+from art_core.wire import (
     ADAPTER_STEP_HEADER,
     COMPLETION_TOKENS_HEADER,
     PROMPT_TOKENS_HEADER,

@@ -21,7 +21,7 @@ import pytest
 from server_process import REPO, TOKEN, running_server
 
 from art_core import read_groups_jsonl
-from art_core.server.wire import API_PREFIX
+from art_core.wire import API_PREFIX
 
 HERE = Path(__file__).resolve().parent
 

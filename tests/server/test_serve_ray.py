@@ -19,7 +19,7 @@ from server_process import TOKEN, running_server
 pytest.importorskip("ray", reason="needs art-core[distributed]")
 
 from art_core import RemoteBackend, TrainableModel, TrainConfig, TrajectoryGroup  # noqa: E402
-from art_core.server.wire import API_PREFIX  # noqa: E402
+from art_core.wire import API_PREFIX  # noqa: E402
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -29,7 +29,7 @@ from art_core import (
     TrajectoryError,
     TrajectoryGroup,
 )
-from art_core.server.wire import API_PREFIX
+from art_core.wire import API_PREFIX
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from art_core import errors
-from art_core.server.wire import ErrorBody, error_from_wire, train_id_for
+from art_core.wire import ErrorBody, error_from_wire, train_id_for
 
 
 @pytest.mark.parametrize("name", [n for n in errors.__all__ if n != "ArtError"])

@@ -6,7 +6,7 @@
         await model.train(groups)          # progress shown here as locally; the step runs on the server
 
 It needs no torch: only httpx and pydantic. Bodies are JSON (gzip above ``compress_above`` bytes off
-loopback); see ``art_core.server.wire`` for the routes.
+loopback); see ``art_core.wire`` for the routes.
 
 A train call is idempotent: its id is a digest of the groups and settings (or the ``train_id`` given), so a
 call sent twice, or again after this process died, trains once and both get the same result. When the
@@ -31,8 +31,9 @@ from pydantic import TypeAdapter
 
 from ..config import TrainConfig
 from ..errors import ConfigError, LifecycleError, ServerError, ServerUnavailableError
-from ..server.wire import (
+from ..wire import (
     API_PREFIX,
+    ROLLOUT_ID_PATTERN,
     ErrorBody,
     Registered,
     SampleRequest,
@@ -127,8 +128,6 @@ class RemoteBackend:
         return self.token
 
     def rollout_base_url(self, model: ModelSpec, rollout_id: str) -> str:
-        from ..gateway.state import ROLLOUT_ID_PATTERN
-
         if not ROLLOUT_ID_PATTERN.fullmatch(rollout_id) or rollout_id in (".", ".."):
             raise ConfigError(f"rollout id {rollout_id!r} is invalid: use 1-128 letters, digits, '.', '_' or '-'")
         return f"{self._gateway_url(model)}/rollouts/{rollout_id}/v1"

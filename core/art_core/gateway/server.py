@@ -30,7 +30,7 @@ from .control import GatewayControl
 from .metrics import GatewayMetrics
 from .records import RecordStore
 from .settings import GatewaySettings
-from .state import ROLLOUT_ID_PATTERN
+from ..wire import ROLLOUT_ID_PATTERN
 
 __all__ = ["Gateway"]
 

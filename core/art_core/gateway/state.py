@@ -17,46 +17,23 @@ from .chat_template import ChatTemplate
 from .prompt_encoder import PromptEncoder
 from .tokens import Detokenizer
 
+from ..wire import (  # re-exported: the routes import them from here
+    ADAPTER_STEP_HEADER,
+    CALLER_HEADER,
+    COMPLETION_TOKENS_HEADER,
+    PROMPT_TOKENS_HEADER,
+    REQUEST_ID_HEADER,
+    ROLLOUT_ID_PATTERN,
+    SEED_HEADER,
+    call_headers,
+)
+
 __all__ = ["ADAPTER_STEP_HEADER", "CALLER_HEADER", "COMPLETION_TOKENS_HEADER", "PROMPT_TOKENS_HEADER",
            "REQUEST_ID_HEADER", "ROLLOUT_ID_PATTERN", "SEED_HEADER", "GatewayState", "call_headers", "check_rollout_id",
            "get_state", "request_scope", "request_seed", "rollout_scope"]
 
-CALLER_HEADER = "X-Art-Caller"
-"""Names the part of an agent that made a call (a graph node, an agent); kept in the call's record."""
 _CALLER = re.compile(r"^[^\x00-\x1f\x7f]{1,200}$")
-SEED_HEADER = "X-Art-Seed"
-"""The sampling seed for a call whose body names none (``seed`` in chat completions; the Responses API has no
-such field): the adapters send one per call of a seeded rollout, so that a run can be replayed."""
 _SEED_LIMIT = 2**63
-
-# Sent with every completion (streamed too: generation is done before the first byte), so a client or an
-# observer in the client's process (art_plugins.langfuse) learns what served the call without reading the body.
-REQUEST_ID_HEADER = "X-Request-Id"
-"""The record's ``request_id`` (the response's ``id``), as OpenAI's API sends it."""
-ADAPTER_STEP_HEADER = "X-Art-Adapter-Step"
-"""The checkpoint step of the adapter that sampled the completion (0: the base model)."""
-PROMPT_TOKENS_HEADER = "X-Art-Prompt-Tokens"
-"""Token ids in the rendered prompt."""
-COMPLETION_TOKENS_HEADER = "X-Art-Completion-Tokens"
-"""Sampled token ids, summed over the ``n`` choices."""
-
-
-def call_headers(request_id: str, adapter_step: int, prompt_tokens: int,
-                 completion_tokens: int | None) -> dict[str, str]:
-    """The response headers that describe one recorded call.
-
-    ``completion_tokens`` is None for a live stream: its headers leave before the tokens are sampled (the
-    count is in the stream's usage chunk and in the record).
-    """
-    headers = {REQUEST_ID_HEADER: request_id, ADAPTER_STEP_HEADER: str(adapter_step),
-               PROMPT_TOKENS_HEADER: str(prompt_tokens)}
-    if completion_tokens is not None:
-        headers[COMPLETION_TOKENS_HEADER] = str(completion_tokens)
-    return headers
-
-
-ROLLOUT_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-"""Letters, digits, ``.``, ``_`` and ``-``: safe in URLs, file names and log lines."""
 
 
 @dataclass

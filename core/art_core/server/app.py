@@ -38,7 +38,7 @@ from ..errors import (
 )
 from .guard import TrainingBody, bearer_token, send_error
 from .jobs import TrainJobs
-from .wire import (
+from ..wire import (
     API_PREFIX,
     DeleteCheckpoints,
     Registered,

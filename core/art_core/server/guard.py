@@ -15,7 +15,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..gateway.auth import BearerAuth, header_value
-from .wire import API_PREFIX
+from ..wire import API_PREFIX
 
 __all__ = ["TrainingBody", "bearer_token", "send_error"]
 

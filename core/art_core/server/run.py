@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..gateway.settings import is_loopback_host
-from .wire import gateway_path
+from ..wire import gateway_path
 
 __all__ = ["ServerSettings", "run_forever", "serve"]
 

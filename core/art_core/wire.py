@@ -1,7 +1,13 @@
-"""What crosses the wire between ``art-core serve`` and ``RemoteBackend``: bodies, events and errors.
+"""What crosses the wire: the gateway's headers, and the bodies, events and errors of the training API.
 
-Shared by both ends and light on purpose (pydantic and ``art_core.errors`` only), so the client imports it
-without torch or the server's dependencies. Bodies are JSON of these pydantic types, never pickle.
+Shared by every end (the gateway, ``art-core serve``, ``RemoteBackend`` and the adapters in ``art_plugins``) and
+light on purpose: it imports pydantic and ``art_core``'s own plain modules (errors, config, types), never the
+server's framework, so a client imports it without torch, fastapi or starlette. Bodies are JSON of these pydantic
+types, never pickle.
+
+Gateway headers (``/v1/chat/completions`` and ``/v1/responses``): a request may carry ``X-Rollout-Id``
+(``ROLLOUT_ID_PATTERN``), ``X-Art-Caller`` and ``X-Art-Seed``; every completion answers with ``X-Request-Id``,
+``X-Art-Adapter-Step``, ``X-Art-Prompt-Tokens`` and, when known before the body, ``X-Art-Completion-Tokens``.
 
 Training API (prefix ``API_PREFIX``, every route behind the bearer token)::
 
@@ -30,12 +36,54 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .. import errors
-from ..config import TrainConfig
-from ..types import TrajectoryGroup
+from . import errors
+from .config import TrainConfig
+from .types import TrajectoryGroup
 
-__all__ = ["API_PREFIX", "TRAIN_ID_PATTERN", "DeleteCheckpoints", "ErrorBody", "Registered", "SampleRequest",
-           "TrainRequest", "error_from_wire", "gateway_path", "train_id_for"]
+__all__ = ["ADAPTER_STEP_HEADER", "API_PREFIX", "CALLER_HEADER", "COMPLETION_TOKENS_HEADER", "PROMPT_TOKENS_HEADER",
+           "REQUEST_ID_HEADER", "ROLLOUT_ID_HEADER", "ROLLOUT_ID_PATTERN", "SEED_HEADER", "TRAIN_ID_PATTERN",
+           "DeleteCheckpoints", "ErrorBody", "Registered", "SampleRequest", "TrainRequest", "call_headers",
+           "error_from_wire", "gateway_path", "train_id_for"]
+
+# -- the gateway's headers ------------------------------------------------------------------------------
+
+ROLLOUT_ID_HEADER = "X-Rollout-Id"
+"""Groups a call under a rollout, like the ``/rollouts/{id}/v1`` path does."""
+ROLLOUT_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+"""Letters, digits, ``.``, ``_`` and ``-``: safe in URLs, file names and log lines."""
+CALLER_HEADER = "X-Art-Caller"
+"""Names the part of an agent that made a call (a graph node, an agent); kept in the call's record."""
+SEED_HEADER = "X-Art-Seed"
+"""The sampling seed for a call whose body names none (``seed`` in chat completions; the Responses API has no
+such field): the adapters send one per call of a seeded rollout, so that a run can be replayed."""
+
+# Sent with every completion (streamed too: generation is done before the first byte), so a client or an
+# observer in the client's process (art_plugins.langfuse) learns what served the call without reading the body.
+REQUEST_ID_HEADER = "X-Request-Id"
+"""The record's ``request_id`` (the response's ``id``), as OpenAI's API sends it."""
+ADAPTER_STEP_HEADER = "X-Art-Adapter-Step"
+"""The checkpoint step of the adapter that sampled the completion (0: the base model)."""
+PROMPT_TOKENS_HEADER = "X-Art-Prompt-Tokens"
+"""Token ids in the rendered prompt."""
+COMPLETION_TOKENS_HEADER = "X-Art-Completion-Tokens"
+"""Sampled token ids, summed over the ``n`` choices."""
+
+
+def call_headers(request_id: str, adapter_step: int, prompt_tokens: int,
+                 completion_tokens: int | None) -> dict[str, str]:
+    """The response headers that describe one recorded call.
+
+    ``completion_tokens`` is None for a live stream: its headers leave before the tokens are sampled (the
+    count is in the stream's usage chunk and in the record).
+    """
+    headers = {REQUEST_ID_HEADER: request_id, ADAPTER_STEP_HEADER: str(adapter_step),
+               PROMPT_TOKENS_HEADER: str(prompt_tokens)}
+    if completion_tokens is not None:
+        headers[COMPLETION_TOKENS_HEADER] = str(completion_tokens)
+    return headers
+
+
+# -- the training API -----------------------------------------------------------------------------------
 
 API_PREFIX = "/art/v1"
 """The training API's version prefix; a breaking change gets ``/art/v2`` beside it."""
