@@ -8,22 +8,17 @@ matter here, only that it is called).
 
 from __future__ import annotations
 
-import uuid
-from pathlib import Path
-from typing import Annotated, Any, TypedDict
+from typing import Any
 
 import pytest
 from agents import Agent, ModelSettings
 from langchain_core.callbacks import BaseCallbackHandler
-from langchain_core.messages import AnyMessage
-from langchain_openai import ChatOpenAI
-from langgraph.graph import END, START, StateGraph
-from langgraph.graph.message import add_messages
 
-from art_core import LocalBackend, TrainableModel, Trajectory
+from art_core import TrainableModel, Trajectory
 from art_plugins._tracing import RolloutInfo, RoutedCall, tracing_rollouts
 from art_plugins.langgraph import trainable
 from art_plugins.openai_agents import TrainableRunner
+from graphs import INPUT, two_call_graph
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -88,40 +83,6 @@ class Recorder:
         return self.rollouts[-1]
 
 
-class State(TypedDict):
-    messages: Annotated[list[AnyMessage], add_messages]
-
-
-def two_call_graph(*, streaming: bool) -> Any:
-    llm = ChatOpenAI(model="agent", base_url=f"http://127.0.0.1:9/{uuid.uuid4().hex[:8]}/v1", api_key="unused",
-                     max_tokens=4, streaming=streaming)
-
-    async def draft(state: State) -> dict[str, Any]:
-        return {"messages": [await llm.ainvoke(state["messages"])]}
-
-    async def revise(state: State) -> dict[str, Any]:
-        return {"messages": [await llm.ainvoke([*state["messages"], ("user", "Shorter.")])]}
-
-    builder = StateGraph(State)
-    builder.add_node("draft", draft)
-    builder.add_node("revise", revise)
-    builder.add_edge(START, "draft")
-    builder.add_edge("draft", "revise")
-    builder.add_edge("revise", END)
-    return builder.compile()
-
-
-INPUT = {"messages": [("user", "Write a haiku about rain.")]}
-
-
-@pytest.fixture
-async def model(tiny_model_dir: Path, tmp_path: Path):
-    model = TrainableModel(name="agent", base_model=tiny_model_dir)
-    async with LocalBackend(path=tmp_path, show_progress=False) as backend:
-        await model.register(backend)
-        yield model
-
-
 def assert_calls_match_the_records(model: TrainableModel, observed: Observed, calls: int) -> None:
     """Each routed call told to the tracer is one gateway record, with its step and token counts."""
     records = {r.request_id: r for r in model.rollout_records(observed.info.rollout_id)}
@@ -135,7 +96,7 @@ def assert_calls_match_the_records(model: TrainableModel, observed: Observed, ca
 @pytest.mark.parametrize("streaming", [False, True])
 async def test_every_tracer_is_told_the_rollout_in_order(model: TrainableModel, streaming: bool):
     first, second = Recorder(), Recorder()
-    agent = trainable(two_call_graph(streaming=streaming), model)
+    agent = trainable(two_call_graph(streaming=streaming, max_tokens=4), model)
     with tracing_rollouts(first, second):  # two tracers at once, as Langfuse and MLflow would be
         group = await agent.group(INPUT, n=2, reward=lambda trajectory, state: 0.5)
     assert len(group) == 2 and not group.exceptions
@@ -158,7 +119,7 @@ async def test_every_tracer_is_told_the_rollout_in_order(model: TrainableModel, 
 
 async def test_rollouts_outside_tracing_are_told_to_no_one(model: TrainableModel):
     recorder = Recorder()
-    agent = trainable(two_call_graph(streaming=False), model)
+    agent = trainable(two_call_graph(max_tokens=4), model)
     with tracing_rollouts(recorder):
         pass
     await agent.rollout(INPUT)
