@@ -34,7 +34,7 @@ from ._routing import Route, derive_seed, routed, wrappers_installed
 from ._tracing import RolloutInfo, RolloutObserver, Tracer
 
 __all__ = ["NoTrainableCallsError", "RewardFn", "RolloutScope", "check_seed", "current_group_id", "gather_group",
-           "langchain_config", "score"]
+           "score"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class RolloutScope:
     def langchain_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """``config`` (a LangChain ``RunnableConfig``) with the tracers' callback handlers added (call it inside)."""
         handlers = [handler for observer in self.observers for handler in observer.langchain_callbacks()]
-        return langchain_config(config, handlers) if handlers else config
+        return _with_callbacks(config, handlers) if handlers else config
 
     def _end_observers(self) -> None:
         if self._ended:
@@ -260,7 +260,7 @@ class RolloutScope:
         return trajectory
 
 
-def langchain_config(config: dict[str, Any], handlers: list[Any]) -> dict[str, Any]:
+def _with_callbacks(config: dict[str, Any], handlers: list[Any]) -> dict[str, Any]:
     """``config`` with ``handlers`` added to its callbacks (a list, or a callback manager, which is copied)."""
     callbacks = config.get("callbacks")
     if callbacks is None or isinstance(callbacks, list):
