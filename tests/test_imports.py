@@ -5,7 +5,8 @@ or inside a function (a lazy import closes a cycle as surely as an eager one, on
 relative ones resolved; ``if TYPE_CHECKING:`` blocks are left out, as they never run. ``from package import
 name`` depends on the submodule ``package.name`` when there is one, else on the package's ``__init__``. A module
 importing one of its parent packages' ``__init__`` counts too (the parent's ``__init__`` importing the module back
-is a cycle Python resolves only by the order of first import).
+is a cycle Python resolves only by the order of first import). An import by a computed name
+(``importlib.import_module(...)``, as ``art_core.gateway``'s lazy attributes do) is not seen.
 """
 
 from __future__ import annotations
