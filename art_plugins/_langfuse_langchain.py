@@ -24,6 +24,9 @@ encoding of its input and output; then its export. This subclass does that work 
   ``langgraph_checkpoint_ns`` and ``checkpoint_ns``, and the ``graph:step:N`` / ``seq:step:N`` tags (the step
   is ``langgraph_step``; the nesting is the observation tree). ``langgraph_step``, ``langgraph_node`` and any
   other metadata or tags stay.
+
+The handler's internals it relies on (its observations by run id, its run bookkeeping, the prompt path of its
+``on_chat_model_start``) are reached through ``_langfuse_sdk``, which holds every use of the SDK's non-public parts.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ from uuid import UUID
 
 from langchain_core.messages import BaseMessage
 from langfuse import LangfuseOtelSpanAttributes
-from langfuse._client.attributes import _serialize_metadata_value
-from langfuse._utils.serializer import EventSerializer
 from langfuse.langchain import CallbackHandler
 from langfuse.logger import langfuse_logger
+
+from . import _langfuse_sdk as sdk
+from ._langfuse_sdk import is_plain, plain_json
 
 __all__ = ["LightStateHandler", "message_dict"]
 
@@ -46,9 +50,7 @@ BOOKKEEPING_TAGS = ("graph:step:", "seq:step:")
 NODE_TAG = "graph:step:"  # LangGraph tags each node's run with it (and only that run)
 ROUTE_KEY = "langgraph_route"
 ROUTE_ATTRIBUTE = f"{LangfuseOtelSpanAttributes.OBSERVATION_METADATA}.{ROUTE_KEY}"
-# The SDK's shared body of on_llm_start / on_chat_model_start (private, name-mangled): it takes the prompt as
-# given. An SDK without it leaves chat prompts to the SDK's own on_chat_model_start.
-_ON_LLM_ACTION = getattr(CallbackHandler, f"_{CallbackHandler.__name__}__on_llm_action", None)
+_ON_LLM_ACTION = sdk.llm_action(CallbackHandler)
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "function"}
 
 
@@ -64,8 +66,7 @@ class LightStateHandler(CallbackHandler):  # type: ignore[misc]
     def __init__(self, *, text_states: bool | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if text_states is None:
-            # The SDK has no public accessor for the client's mask; an SDK without this attribute counts as masked.
-            text_states = getattr(self._langfuse_client, "_mask", "unknown") is None
+            text_states = not sdk.client_masks(sdk.handler_client(self))
         self.text_states = text_states
         self._messages: dict[int, tuple[Any, dict[str, Any], str | None]] = {}  # id -> (message, dict, JSON)
         self._prompts: dict[int, tuple[Any, str | None]] = {}  # id -> (message, the SDK's prompt dict as JSON)
@@ -113,7 +114,7 @@ class LightStateHandler(CallbackHandler):  # type: ignore[misc]
             return super().on_chat_model_start(serialized, messages, run_id=run_id, parent_run_id=parent_run_id,
                                                tags=tags, metadata=metadata, **kwargs)
         # What the SDK's ``on_chat_model_start`` does, with the prompt given as the text it would have written.
-        self._track_run(run_id=run_id, parent_run_id=parent_run_id, metadata=metadata)
+        sdk.track_run(self, run_id=run_id, parent_run_id=parent_run_id, metadata=metadata)
         try:
             _ON_LLM_ACTION(self, serialized, run_id, text, parent_run_id, tags=tags, metadata=metadata, **kwargs)
         except Exception as exc:
@@ -147,15 +148,15 @@ class LightStateHandler(CallbackHandler):  # type: ignore[misc]
     def _route(self, node: UUID, outputs: Any) -> None:
         """Write the route a routing function chose on its node's observation (``langgraph_route``)."""
         routes = self._nodes.get(node)
-        observation = self._runs.get(node)  # the SDK handler's open observations by run id (no public accessor)
+        observation = sdk.open_observation(self, node)
         if routes is None or observation is None:
             return
         routes.append(outputs)
         route = routes[0] if len(routes) == 1 else routes
         try:
-            span = getattr(observation, "_otel_span", None) if self.text_states else None
-            if span is not None and _is_plain(route, 0):
-                span.set_attribute(ROUTE_ATTRIBUTE, _serialize_metadata_value(route))
+            span = sdk.observation_span(observation) if self.text_states else None
+            if span is not None and is_plain(route):
+                span.set_attribute(ROUTE_ATTRIBUTE, sdk.metadata_json(route))
             else:  # a masking client (or an odd route): the SDK's own path, mask and media scan included
                 observation.update(metadata={ROUTE_KEY: route})
         except Exception as exc:  # as the SDK's own callbacks do: logged (and counted), never failing the graph
@@ -177,21 +178,21 @@ class LightStateHandler(CallbackHandler):  # type: ignore[misc]
         return self._message(value)[0] if isinstance(value, BaseMessage) else value
 
     def _state_text(self, state: dict[Any, Any]) -> str | None:
-        """``json.dumps(compacted state, cls=EventSerializer)``, joined from each message's cached JSON; None when
+        """The JSON the SDK would write for the compacted state, joined from each message's cached JSON; None when
         the state holds something the SDK's media scan could change or that is not plain JSON data."""
         parts = []
         for key, value in state.items():
             if type(key) is not str:
                 return None
             if isinstance(value, list) and value and isinstance(value[0], BaseMessage):
-                pieces = [self._message(m)[1] if isinstance(m, BaseMessage) else _plain_json(m) for m in value]
+                pieces = [self._message(m)[1] if isinstance(m, BaseMessage) else plain_json(m) for m in value]
                 if None in pieces:
                     return None
                 text: str | None = "[" + ", ".join(pieces) + "]"  # type: ignore[arg-type]
             elif isinstance(value, BaseMessage):
                 text = self._message(value)[1]
             else:
-                text = _plain_json(value)
+                text = plain_json(value)
             if text is None:
                 return None
             parts.append(json.dumps(key) + ": " + text)
@@ -211,10 +212,10 @@ class LightStateHandler(CallbackHandler):  # type: ignore[misc]
                 cached = self._prompts.get(id(message))
                 if cached is None or cached[0] is not message:
                     try:
-                        converted = self._convert_message_to_dict(message)
+                        converted = sdk.convert_message(self, message)
                     except Exception:  # an unknown message type: the SDK's path reports it
                         return None
-                    cached = (message, _plain_json(converted))
+                    cached = (message, plain_json(converted))
                     self._prompts[id(message)] = cached  # the message is kept: its id stays unique
                 if cached[1] is None:
                     return None
@@ -227,7 +228,7 @@ class LightStateHandler(CallbackHandler):  # type: ignore[misc]
         if cached is not None and cached[0] is message:
             return cached[1], cached[2]
         converted = message_dict(message)
-        text = _plain_json(converted)
+        text = plain_json(converted)
         self._messages[id(message)] = (message, converted, text)  # the message is kept: its id stays unique
         return converted, text
 
@@ -242,26 +243,6 @@ def message_dict(message: Any) -> dict[str, Any]:
         if value:
             converted[key] = value
     return converted
-
-
-def _plain_json(value: Any) -> str | None:
-    """The SDK's JSON of ``value`` if it is plain JSON data the SDK's media scan leaves as it is, else None."""
-    return json.dumps(value, cls=EventSerializer) if _is_plain(value, 0) else None
-
-
-def _is_plain(value: Any, depth: int) -> bool:
-    kind = type(value)
-    if kind is str:
-        return not value.startswith("data:")  # a base64 data URI is media the SDK would upload
-    if value is None or kind is int or kind is float or kind is bool:
-        return True
-    if depth > 16:  # the SDK's serializer cuts deeper structures short; leave those to it
-        return False
-    if kind is list or kind is tuple:
-        return all(_is_plain(item, depth + 1) for item in value)
-    if kind is dict:
-        return all(type(k) is str and _is_plain(v, depth + 1) for k, v in value.items())
-    return False
 
 
 def _is_routing(tags: list[str]) -> bool:

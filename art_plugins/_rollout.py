@@ -7,17 +7,19 @@
     await score(trajectory, reward)
 
 The trajectory is rebuilt from the gateway's records of the rollout (``art_core.trajectories``), so every
-trainable call in it is token-exact by construction.
+trainable call in it is token-exact by construction. Tracers (``art_plugins._tracing``: Langfuse, ...) given to
+the scope each observe the rollout: the scope tells them when it opens and closes, each routed call the gateway
+answered, and the trajectory once built and once scored; it knows nothing of what they trace to.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextvars import ContextVar
 from types import TracebackType
 from typing import Any
@@ -27,10 +29,12 @@ from art_core.errors import ArtError, ConfigError
 from art_core.rewards import RewardFn, reward_value
 from art_core.trajectories import trajectory_from_records
 
-from ._routing import Route, derive_seed, routed
+from ._calls import routed_call
+from ._routing import Route, derive_seed, routed, wrappers_installed
+from ._tracing import RolloutInfo, RolloutObserver, Tracer
 
-__all__ = ["NoTrainableCallsError", "RewardFn", "RolloutScope", "check_langfuse", "check_seed", "current_group_id",
-           "gather_group", "langfuse_trace", "score"]
+__all__ = ["NoTrainableCallsError", "RewardFn", "RolloutScope", "check_seed", "current_group_id", "gather_group",
+           "score"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +65,14 @@ class RolloutScope:
             Default: unseeded.
         redirect: redirect HTTP calls naming the model (``_routing.routed``) while the scope is open. False
             when the adapter sends every trainable call through a client of its own (counted on ``route``).
+        tracers: each observes the rollout (``art_plugins._tracing``). Default: none.
+        input: the run's input, for the tracers.
     """
 
     def __init__(self, model: TrainableModel, *, model_names: Iterable[str] | None = None, framework: str,
                  caller: Callable[[], str | None] | None = None, rollout_id: str | None = None,
-                 seed: int | None = None, redirect: bool = True) -> None:
+                 seed: int | None = None, redirect: bool = True, tracers: Sequence[Tracer] = (),
+                 input: Any = None) -> None:
         names = frozenset(model_names) if model_names is not None else frozenset({model.name})
         check_seed(seed)
         if not names or not all(isinstance(n, str) and n for n in names):
@@ -80,21 +87,34 @@ class RolloutScope:
         self._scope: Any = None
         # Chosen now, not when the trajectory is built, so that a trace can be named after it while the run goes.
         self.trajectory_id = uuid.uuid4().hex[:12]
-        self.trace: Any = None
-        """The rollout's Langfuse trace (``art_plugins.langfuse.RolloutTrace``), opened and closed with the scope."""
+        info = RolloutInfo(model=model, framework=framework, rollout_id=self.rollout_id,
+                           trajectory_id=self.trajectory_id, input=input, group_id=current_group_id())
+        self.observers: tuple[RolloutObserver, ...] = tuple(tracer.start_rollout(info) for tracer in tracers)
+        """One per tracer, each told what happens to the rollout (see ``art_plugins._tracing``)."""
+        self._held: contextlib.ExitStack | None = None  # set by hold(): the run outlives the ``with``
+        self._ended = False
+
+    @property
+    def traced(self) -> bool:
+        """Whether any tracer observes this rollout."""
+        return bool(self.observers)
 
     def __enter__(self) -> RolloutScope:
         if self.redirect:
             self._scope = routed(self.route)
             self._scope.__enter__()
-        if self.trace is not None:
-            self.trace.__enter__()
+        if self.observers:
+            for observer in self.observers:
+                observer.enter()
+            self.route.on_response = self._on_response
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        if self.trace is not None:
-            self.trace.__exit__(exc_type, exc, tb)
+        for observer in self.observers:
+            observer.exit(exc)
+        if self._held is None:
+            self._end_observers()
         scope, self._scope = self._scope, None
         if scope is not None:
             scope.__exit__(exc_type, exc, tb)
@@ -105,6 +125,56 @@ class RolloutScope:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         self.__exit__(exc_type, exc, tb)
+
+    def hold(self) -> None:
+        """Keep the rollout going past the ``with`` that runs it, until ``release()``: for a run whose task outlives
+        it (a streamed Agents SDK run started inside the ``with``, its task holding a copy of the route). The
+        routing wrappers stay installed and the tracers' traces open. Call it before entering."""
+        if self._held is None:
+            self._held = contextlib.ExitStack()
+            if self.redirect:
+                self._held.enter_context(wrappers_installed())
+
+    def release(self) -> None:
+        """End what ``hold()`` kept going: the routing wrappers, the traces. Idempotent."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.close()
+        self._end_observers()
+
+    def langchain_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """``config`` (a LangChain ``RunnableConfig``) with the tracers' callback handlers added (call it inside)."""
+        handlers = [handler for observer in self.observers for handler in observer.langchain_callbacks()]
+        return _with_callbacks(config, handlers) if handlers else config
+
+    def _end_observers(self) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self.route.on_response = None
+        for observer in self.observers:
+            observer.end()
+
+    def _on_response(self, response: Any) -> None:
+        """Tell the tracers what the gateway said about a routed call (``Route.on_response``; never raises)."""
+        try:
+            call = routed_call(response, self._completion_tokens)
+        except Exception as exc:  # a malformed header: the call goes on, untraced
+            logger.warning("rollout %s: could not read the gateway's headers of a call: %s", self.rollout_id, exc)
+            return
+        if call is not None:
+            for observer in self.observers:
+                observer.on_call(call)
+
+    def _completion_tokens(self, request_id: str | None) -> int | None:
+        """A streamed call's sampled tokens, from the gateway's record of it (None when it cannot be read)."""
+        try:
+            records = self.model.rollout_records(self.rollout_id)
+        except Exception as exc:  # the trace lacks the count; the rollout goes on
+            logger.warning("rollout %s: could not read the record of call %s: %s", self.rollout_id, request_id, exc)
+            return None
+        record = next((r for r in reversed(records) if r.request_id == request_id), None)
+        return len(record.completion_token_ids) if record is not None else None
 
     async def settle(self, timeout: float = 10.0, *, grace: float = 1.0) -> None:
         """Wait (up to ``timeout`` s) until the gateway has recorded every call it was sent.
@@ -159,7 +229,9 @@ class RolloutScope:
             labels["cancelled_calls"] = cancelled
         trajectory = trajectory_from_records(sampled, id=self.trajectory_id, metadata={**labels, **(metadata or {})})
         trajectory.final_state = final_state
-        return self.trace.link(trajectory) if self.trace is not None else trajectory
+        for observer in self.observers:
+            observer.link(trajectory)
+        return trajectory
 
     def _recorded_requests(self) -> set[str]:
         return {r.request_id for r in self.model.rollout_records(self.rollout_id)}
@@ -182,29 +254,21 @@ class RolloutScope:
                 f"completed with a sampled token: {'; '.join(parts) or 'none recorded'}. Nothing to train on: {advice}")
 
     def scored(self, trajectory: Trajectory) -> Trajectory:
-        """The scored trajectory, its scores sent to Langfuse when the rollout is traced."""
-        return self.trace.finish(trajectory) if self.trace is not None else trajectory
+        """The scored trajectory, its scores sent by the tracers."""
+        for observer in self.observers:
+            observer.finish(trajectory)
+        return trajectory
 
 
-def langfuse_trace(option: Any, scope: RolloutScope, input: Any) -> Any:
-    """The rollout's Langfuse trace (``art_plugins.langfuse.RolloutTrace``), or None when Langfuse is off.
-
-    Off (``option`` falsy), nothing of Langfuse is imported, unless ``art_plugins.langfuse`` already is (its
-    ``evaluate`` turns tracing on for the rollouts it runs).
-    """
-    if not option and "art_plugins.langfuse" not in sys.modules:
-        return None
-    from .langfuse import rollout_trace
-
-    return rollout_trace(option, scope, input)
-
-
-def check_langfuse(option: Any, model: TrainableModel) -> None:
-    """Validate an adapter's ``langfuse=`` option now (and trace the model's steps), not at the first rollout."""
-    if option:
-        from .langfuse import resolve
-
-        resolve(option, model)
+def _with_callbacks(config: dict[str, Any], handlers: list[Any]) -> dict[str, Any]:
+    """``config`` with ``handlers`` added to its callbacks (a list, or a callback manager, which is copied)."""
+    callbacks = config.get("callbacks")
+    if callbacks is None or isinstance(callbacks, list):
+        return {**config, "callbacks": [*(callbacks or []), *handlers]}
+    manager = callbacks.copy()
+    for handler in handlers:
+        manager.add_handler(handler, inherit=True)
+    return {**config, "callbacks": manager}
 
 
 async def score(trajectory: Trajectory, reward: RewardFn | None) -> Trajectory:

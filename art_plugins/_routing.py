@@ -70,8 +70,8 @@ class Route:
     caller: Callable[[], str | None] | None = None
     seed: int | None = None
     on_response: Callable[[Any], None] | None = None
-    """Called with the response to each routed call, in the task that made it (``art_plugins.langfuse``
-    reads the gateway's headers there); it must not raise."""
+    """Called with the response to each routed call, in the task that made it (the rollout scope tells its
+    tracers what the gateway's headers say there); it must not raise."""
     models_seen: dict[str, int] = field(default_factory=dict)
     """Every model named in a JSON POST made in the scope (any provider), with its number of calls."""
     routed_calls: int = 0

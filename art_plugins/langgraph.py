@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Literal, TypeVar, overload
 
 from art_core import TrainableModel, Trajectory, TrajectoryGroup
 from art_core.errors import ConfigError
 
-from ._rollout import NoTrainableCallsError, RewardFn, RolloutScope, check_langfuse, gather_group, langfuse_trace, score
+from ._langfuse_options import langfuse_tracers
+from ._rollout import NoTrainableCallsError, RewardFn, RolloutScope, gather_group, score
+from ._tracing import Tracer, rollout_tracers
 
 __all__ = ["NoTrainableCallsError", "TrainableGraph", "trainable"]
 
@@ -76,7 +78,8 @@ class TrainableGraph:
         self.recursion_limit = recursion_limit
         self.timeout = timeout
         self.langfuse = langfuse
-        check_langfuse(langfuse, model)
+        # What traces each rollout (``art_plugins._tracing``): Langfuse when ``langfuse`` turns it on.
+        self._tracers: tuple[Tracer, ...] = langfuse_tracers(langfuse, model)
 
     def __repr__(self) -> str:
         return f"TrainableGraph({type(self.graph).__name__}, model={self.model.name!r})"
@@ -88,8 +91,12 @@ class TrainableGraph:
             rollout_id: default: a new random id.
             seed: seeds the run's sampling (see ``rollout``). Default: unseeded.
         """
+        return self._scope(rollout_id=rollout_id, seed=seed)
+
+    def _scope(self, *, rollout_id: str | None, seed: int | None, tracers: tuple[Tracer, ...] = (),
+               input: Any = None) -> RolloutScope:
         return RolloutScope(self.model, model_names=self.model_names, framework="langgraph", caller=_current_node,
-                            rollout_id=rollout_id, seed=seed)
+                            rollout_id=rollout_id, seed=seed, tracers=tracers, input=input)
 
     async def rollout(self, input: Any, *, reward: RewardFn | None = None, config: dict[str, Any] | None = None,
                       method: Method = "astream", rollout_id: str | None = None, seed: int | None = None) -> Trajectory:
@@ -120,13 +127,12 @@ class TrainableGraph:
             run_config.setdefault("recursion_limit", self.recursion_limit)
         from langgraph.errors import GraphRecursionError
 
-        scope = self.capture(rollout_id=rollout_id, seed=seed)
-        scope.trace = langfuse_trace(self.langfuse, scope, input)  # Langfuse: None when off
+        scope = self._scope(rollout_id=rollout_id, seed=seed, tracers=rollout_tracers(self._tracers), input=input)
         progress = _Progress()
         stop_reason = None
         deadline = asyncio.timeout(self.timeout)
         async with scope:
-            run_config = scope.trace.langchain_config(run_config) if scope.trace else run_config
+            run_config = scope.langchain_config(run_config)  # the tracers' handlers (Langfuse's), if any
             try:
                 async with deadline:
                     await _run(self.graph, input, run_config, method, progress)
@@ -150,6 +156,30 @@ class TrainableGraph:
         """
         return await gather_group(n, lambda rollout_seed: self.rollout(input, reward=reward, config=config,
                                                                        method=method, seed=rollout_seed), seed=seed)
+
+    def rollout_fn(self, *, reward: RewardFn | None = None,
+                   agent: Any = None) -> Callable[[Any], Awaitable[Trajectory]]:
+        """A function that runs the graph once on an input and returns the run as a scored trajectory.
+
+        The method both adapters share (``TrainableRunner.rollout_fn`` takes the same arguments), for code that
+        runs either one over a list of inputs, such as ``art_plugins.langfuse.evaluate``. The function takes the
+        graph's input, or a string, which becomes a user message (``{"messages": [("user", text)]}``).
+
+        Args:
+            reward: as for ``rollout``.
+            agent: for a ``TrainableRunner`` only: a graph is its own agent.
+
+        Raises:
+            ConfigError: an agent was given.
+        """
+        if agent is not None:
+            raise ConfigError(f"agent= is for a TrainableRunner: {self!r} runs its own graph (got "
+                              f"{type(agent).__name__}); leave it out")
+
+        async def run(input: Any) -> Trajectory:
+            return await self.rollout({"messages": [("user", input)]} if isinstance(input, str) else input,
+                                      reward=reward)
+        return run
 
 
 class _Progress:

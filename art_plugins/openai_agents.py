@@ -69,8 +69,10 @@ from pydantic import BaseModel
 from art_core import TrainableModel, Trajectory, TrajectoryGroup
 from art_core.errors import ConfigError, LifecycleError
 
-from ._rollout import NoTrainableCallsError, RewardFn, RolloutScope, check_langfuse, gather_group, langfuse_trace, score
-from ._routing import CountingTransport, Route, wrappers_installed
+from ._langfuse_options import langfuse_tracers
+from ._rollout import NoTrainableCallsError, RewardFn, RolloutScope, gather_group, score
+from ._routing import CountingTransport, Route
+from ._tracing import Tracer, rollout_tracers
 
 try:
     import httpx2
@@ -174,7 +176,8 @@ class TrainableRunner:
         self.tracing = tracing
         self.timeout = timeout
         self.langfuse = langfuse
-        check_langfuse(langfuse, model)
+        # What traces each run (``art_plugins._tracing``): Langfuse when ``langfuse`` turns it on.
+        self._tracers: tuple[Tracer, ...] = langfuse_tracers(langfuse, model)
 
     def __repr__(self) -> str:
         return f"TrainableRunner(model={self.model.name!r}, model_names={sorted(self.model_names)})"
@@ -191,6 +194,12 @@ class TrainableRunner:
         """
         redirect = agent is None or _builds_own_model(agent, run_config)
         return AgentCapture(self, rollout_id=rollout_id, redirect=redirect, seed=seed)
+
+    def _traced_capture(self, input: Any, *, rollout_id: str | None, agent: Agent[Any],
+                        run_config: RunConfig | dict[str, Any] | None, seed: int | None) -> AgentCapture:
+        """``capture`` for a run this runner makes, traced by its tracers (none when tracing is off)."""
+        return AgentCapture(self, rollout_id=rollout_id, redirect=_builds_own_model(agent, run_config), seed=seed,
+                            tracers=rollout_tracers(self._tracers), input=input)
 
     async def run(self, starting_agent: Agent[Any], input: RunInput, *, reward: RewardFn | None = None,
                   context: Any = None, max_turns: int | None = DEFAULT_MAX_TURNS, hooks: RunHooks[Any] | None = None,
@@ -220,8 +229,8 @@ class TrainableRunner:
                 (re-raised too when the run stopped before any trainable call).
         """
         _check_agent(starting_agent)
-        capture = self.capture(rollout_id=rollout_id, agent=starting_agent, run_config=run_config, seed=seed)
-        capture.scope.trace = langfuse_trace(self.langfuse, capture.scope, input)  # Langfuse: None when off
+        capture = self._traced_capture(input, rollout_id=rollout_id, agent=starting_agent, run_config=run_config,
+                                       seed=seed)
         result: RunResult | None = None
         error: BaseException | None = None
         deadline = asyncio.timeout(self.timeout)
@@ -259,11 +268,9 @@ class TrainableRunner:
         yourself (``streamed.result.cancel()``) marks it ``stop_reason="cancelled"``.
         """
         _check_agent(starting_agent)
-        capture = self.capture(rollout_id=rollout_id, agent=starting_agent, run_config=run_config, seed=seed)
-        trace = capture.scope.trace = langfuse_trace(self.langfuse, capture.scope, input)  # None when off
-        if trace is not None:
-            trace.outlives_scope = True  # the run's task carries the trace on; the stream's end closes it
-        capture._hold()
+        capture = self._traced_capture(input, rollout_id=rollout_id, agent=starting_agent, run_config=run_config,
+                                       seed=seed)
+        capture.scope.hold()  # the run's task carries the route and the traces on; the stream's end releases them
         try:
             # The SDK starts the run in a task of its own, which copies the current context: the route set
             # here goes with it, while the caller's own context is left as it was when this returns.
@@ -272,9 +279,7 @@ class TrainableRunner:
                 result = Runner.run_streamed(starting_agent, input, context=context, max_turns=max_turns, hooks=hooks,
                                              run_config=config, error_handlers=handlers, session=session)
         except BaseException:
-            capture._held.close()
-            if trace is not None:
-                trace.close()
+            capture.scope.release()
             raise
         return StreamedRun(capture, result, reward, timeout=self.timeout)
 
@@ -296,6 +301,31 @@ class TrainableRunner:
 
         return await gather_group(n, one, seed=seed)
 
+    def rollout_fn(self, *, reward: RewardFn | None = None,
+                   agent: Agent[Any] | None = None) -> Callable[[Any], Awaitable[Trajectory]]:
+        """A function that runs ``agent`` once on an input and returns the run as a scored trajectory.
+
+        The method both adapters share (``TrainableGraph.rollout_fn`` takes the same arguments), for code that
+        runs either one over a list of inputs, such as ``art_plugins.langfuse.evaluate``. The function takes what
+        ``run`` takes as ``input`` (a user message, or input items).
+
+        Args:
+            reward: as for ``run``.
+            agent: the starting agent.
+
+        Raises:
+            ConfigError: no agent was given.
+        """
+        if agent is None:
+            raise ConfigError("TrainableRunner.rollout_fn needs agent=<the starting agent> (evaluate() on a "
+                              "TrainableRunner: pass agent=...)")
+        _check_agent(agent)
+
+        async def run(input: Any) -> Trajectory:
+            _, trajectory = await self.run(agent, input, reward=reward)
+            return trajectory
+        return run
+
 
 class AgentCapture:
     """One captured run: routing to the gateway, the ``RunConfig`` that points the SDK there, what the run reported.
@@ -313,15 +343,15 @@ class AgentCapture:
     """
 
     def __init__(self, runner: TrainableRunner, *, rollout_id: str | None = None, redirect: bool = True,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, tracers: tuple[Tracer, ...] = (), input: Any = None) -> None:
         self._runner = runner
         self.scope = RolloutScope(runner.model, model_names=runner.model_names, framework="openai-agents",
-                                  caller=_calling_agent.get, rollout_id=rollout_id, redirect=redirect, seed=seed)
+                                  caller=_calling_agent.get, rollout_id=rollout_id, redirect=redirect, seed=seed,
+                                  tracers=tracers, input=input)
         self.rollout_id = self.scope.rollout_id
         self.tool_errors: list[str] = []
         self._handled_stop: str | None = None
         self._providers: list[_GatewayProvider] = []
-        self._held = contextlib.ExitStack()
         self._label_token: Token[str | None] | None = None
 
     async def __aenter__(self) -> AgentCapture:
@@ -356,8 +386,8 @@ class AgentCapture:
             config, model_provider=provider,
             call_model_input_filter=_labelling(config.call_model_input_filter),
             tool_error_formatter=self._reporting(config.tool_error_formatter),
-            # A run traced to Langfuse needs the SDK's tracing on: OpenInference reads the SDK's spans.
-            tracing_disabled=config.tracing_disabled or not (runner.tracing or self.scope.trace is not None),
+            # A traced run needs the SDK's tracing on: tracers read the SDK's spans (OpenInference for Langfuse).
+            tracing_disabled=config.tracing_disabled or not (runner.tracing or self.scope.traced),
         )
 
     def error_handlers(self, handlers: RunErrorHandlers[Any] | None) -> RunErrorHandlers[Any] | None:
@@ -399,16 +429,9 @@ class AgentCapture:
 
     # --- for streamed runs, whose task outlives the ``with`` that starts it ---
 
-    def _hold(self) -> None:
-        """Keep the routing wrappers installed until ``_aclose()`` (when this run redirects at all)."""
-        if self.scope.redirect:
-            self._held.enter_context(wrappers_installed())
-
     async def _aclose(self) -> None:
-        """Release the routing hold, end the run's Langfuse trace and close the run's gateway clients."""
-        self._held.close()
-        if self.scope.trace is not None:
-            self.scope.trace.close()
+        """End what the scope held for the run (the routing wrappers, its traces); close its gateway clients."""
+        self.scope.release()
         await self._close_providers()
 
     # --- helpers ---

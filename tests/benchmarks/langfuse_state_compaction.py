@@ -5,7 +5,7 @@ Three sides, run in rotation in one process against the same gateway and tiny mo
 graph with Langfuse on and Langfuse's LangChain ``CallbackHandler`` as shipped, and the graph with Langfuse
 on and art-plugins' handler (the same handler, with the state's LangChain messages given to the SDK in the
 compact form of its generations). The two traced sides differ only in the handler class, which is swapped
-through the module's cached class (``art_plugins.langfuse._handler_type``) between runs. Each run's
+through the tracing's handler class (``LangfuseTracing._handler_type``) between runs. Each run's
 overhead is its time minus the direct run's of the same round, per call; the saving is the paired difference.
 
     python tests/benchmarks/langfuse_state_compaction.py [--runs 60] [--calls 10]
@@ -55,7 +55,7 @@ async def main(runs: int, calls: int) -> dict[str, float]:
             tracing = art_langfuse.LangfuseTracing(client)
             direct = build_graph(model.base_url, calls)
             traced = trainable(build_graph("http://127.0.0.1:9/v1", calls), model, langfuse=tracing)
-            compact = art_langfuse._compact_handler_type()
+            compact = tracing.langchain_handler_type()
             state = {"messages": [("system", "You are terse. " * 20), ("user", "Say one word.")]}
 
             async def run_direct() -> float:
@@ -64,7 +64,7 @@ async def main(runs: int, calls: int) -> dict[str, float]:
                 return time.perf_counter() - started
 
             async def traced_with(handler: type) -> float:
-                art_langfuse._handler_type = handler
+                tracing._handler_type = handler
                 started = time.perf_counter()
                 await traced.rollout(state)
                 return time.perf_counter() - started
@@ -86,7 +86,7 @@ async def main(runs: int, calls: int) -> dict[str, float]:
                 plain_ms.append((took[run_plain] - took[run_direct]) / calls * 1e3)
                 compact_ms.append((took[run_compact] - took[run_direct]) / calls * 1e3)
                 saving_ms.append((took[run_plain] - took[run_compact]) / calls * 1e3)
-            art_langfuse._handler_type = compact
+            tracing._handler_type = compact
             await tracing.flush()
             await tracing.aclose()
     receiver.close()

@@ -32,7 +32,7 @@ from langfuse_receiver import PROJECT_ID, Receiver
 from opentelemetry.sdk.trace import TracerProvider
 
 from art_core import LocalBackend, TrainableModel, ruler_score_group, score_group
-from art_plugins import langfuse as art_langfuse
+from art_plugins import _langfuse_options
 from art_plugins.langfuse import LangfuseTracing, current_dataset_item, evaluate
 from art_plugins.langgraph import trainable
 from art_plugins.openai_agents import TrainableRunner
@@ -119,8 +119,8 @@ async def model(scripted_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 async def _close_the_default_tracing() -> AsyncIterator[None]:
     """``langfuse=True`` keeps one tracing per process; close it with the module."""
     yield
-    if art_langfuse._default is not None:
-        await art_langfuse._default.aclose(timeout=2.0)
+    if _langfuse_options.OPTIONS.default is not None:
+        await _langfuse_options.OPTIONS.default.aclose(timeout=2.0)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -201,7 +201,7 @@ async def test_langgraph_group_scored_and_trained(model: TrainableModel, receive
     assert scored is not None and all(t.metadata["langfuse_trace_id"] for t in scored)
     step_before = model.step
     metrics = await model.train([scored])
-    tracing = art_langfuse._default
+    tracing = _langfuse_options.OPTIONS.default
     assert tracing is not None and tracing.public_key == public_key
 
     assert receiver.wait_for(lambda r: len(r.scores_for(trace_ids[1])) == 3 and any(
@@ -420,7 +420,7 @@ async def test_bad_options_are_refused_up_front(model: TrainableModel, monkeypat
 
     for key in ("LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY"):
         monkeypatch.delenv(key, raising=False)
-    monkeypatch.setattr(art_langfuse, "_default", None)
+    monkeypatch.setattr(_langfuse_options.OPTIONS, "default", None)
     with pytest.raises(ConfigError, match="LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY are not set"):
         trainable(react_graph(), model, langfuse=True)
     with pytest.raises(ConfigError, match="langfuse= takes True, False, a langfuse.Langfuse client"):

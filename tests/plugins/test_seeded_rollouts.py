@@ -7,63 +7,21 @@ graphs and real Agents SDK runs, through the real gateway and engine.
 
 from __future__ import annotations
 
-import uuid
-from pathlib import Path
-from typing import Annotated, Any, TypedDict
-
 import pytest
 from agents import Agent, ModelSettings
-from langchain_core.messages import AnyMessage
-from langchain_openai import ChatOpenAI
-from langgraph.graph import END, START, StateGraph
-from langgraph.graph.message import add_messages
 
-from art_core import LocalBackend, TrainableModel, Trajectory
+from art_core import Trajectory
 from art_core.errors import ConfigError
 from art_plugins.langgraph import trainable
 from art_plugins.openai_agents import TrainableRunner
+from graphs import INPUT, two_call_graph
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-
-class State(TypedDict):
-    messages: Annotated[list[AnyMessage], add_messages]
-
-
-def two_call_graph(**llm_options: Any) -> Any:
-    """A drafter node and a reviser node, each one call of the trainable model (temperature 1)."""
-    llm = ChatOpenAI(model="agent", base_url=f"http://127.0.0.1:9/{uuid.uuid4().hex[:8]}/v1", api_key="unused",
-                     temperature=1.0, max_tokens=10, **llm_options)
-
-    async def draft(state: State) -> dict[str, Any]:
-        return {"messages": [await llm.ainvoke(state["messages"])]}
-
-    async def revise(state: State) -> dict[str, Any]:
-        return {"messages": [await llm.ainvoke([*state["messages"], ("user", "Say it again, shorter.")])]}
-
-    builder = StateGraph(State)
-    builder.add_node("draft", draft)
-    builder.add_node("revise", revise)
-    builder.add_edge(START, "draft")
-    builder.add_edge("draft", "revise")
-    builder.add_edge("revise", END)
-    return builder.compile()
-
-
-INPUT = {"messages": [("user", "Write a haiku about rain.")]}
 
 
 def sampled(trajectory: Trajectory) -> list[list[int]]:
     """The completion ids of the trajectory's calls, in order."""
     return [call.completion_token_ids for history in trajectory.histories() for call in history.calls]
-
-
-@pytest.fixture
-async def model(tiny_model_dir: Path, tmp_path: Path):
-    model = TrainableModel(name="agent", base_model=tiny_model_dir)
-    async with LocalBackend(path=tmp_path, show_progress=False) as backend:
-        await model.register(backend)
-        yield model
 
 
 async def test_a_seeded_graph_rollout_samples_the_same_tokens_again(model):
