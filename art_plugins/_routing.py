@@ -83,6 +83,11 @@ class Route:
     """Of the delivered, calls the gateway answered with an error status (it records none of them)."""
     failed_calls: int = 0
     """Of the delivered, calls that failed before any answer (connection errors): the gateway may not record them."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    """The counts change from every thread the rollout's calls are made in (a graph's synchronous nodes run in
+    parallel threads): ``+=`` on an attribute is not atomic, and two calls must never take the same position."""
+    _positions: int = field(default=0, init=False, repr=False)
+    """Calls given a position (and, when seeded, its seed) by ``call_headers``."""
 
     @property
     def calls_to_record(self) -> int:
@@ -98,14 +103,16 @@ class Route:
     def call_started(self, request: Any) -> Any:
         """Count ``request`` (an httpx request about to be sent) as routed, and as delivered once its body is out.
         Returns the handle for ``call_failed``."""
-        self.routed_calls += 1
+        with self._lock:
+            self.routed_calls += 1
         request.stream = delivery = _delivery(request.stream, self, request)
         return delivery
 
     def call_failed(self, delivery: Any) -> None:
         """The call raised before any answer (a cancelled call is not a failure: the gateway records it as cut)."""
         if delivery.delivered:
-            self.failed_calls += 1
+            with self._lock:
+                self.failed_calls += 1
 
     def call_answered(self, delivery: Any, response: Any) -> None:
         """Note the status the gateway answered a routed call with, and hand the response to ``on_response``."""
@@ -122,20 +129,29 @@ class Route:
     def call_headers(self) -> list[tuple[str, str]]:
         """The headers the gateway reads for the call being made now: its caller label and, when seeded, its seed.
 
-        Call it once per call, just before the call is counted (``call_started``): the seed is the call's position.
+        Call it once per call: each call takes the next position (the index of its seed), under a lock, since a
+        rollout's calls may come from several threads at once.
         """
         headers = []
         label = self.caller_label()
         if label:
             headers.append((CALLER_HEADER, label))
+        with self._lock:
+            position, self._positions = self._positions, self._positions + 1
         if self.seed is not None:
-            headers.append((SEED_HEADER, str(derive_seed(self.seed, self.routed_calls))))
+            headers.append((SEED_HEADER, str(derive_seed(self.seed, position))))
         return headers
 
     def count_answer(self, status_code: int) -> None:
         """Note the status the gateway answered a routed call with."""
         if status_code >= 400:
-            self.refused_calls += 1
+            with self._lock:
+                self.refused_calls += 1
+
+    def count_delivered(self) -> None:
+        """Note that a routed call's whole request was handed to the connection."""
+        with self._lock:
+            self.delivered_calls += 1
 
     def rewrite(self, request: Any) -> Any:
         """The request to send instead of ``request`` (the same object when it is not for the trainable model)."""
@@ -149,7 +165,8 @@ class Route:
         if not isinstance(model, str):
             return request
         # Any provider's model call counts here (Anthropic's /v1/messages too), for the "never called" error.
-        self.models_seen[model] = self.models_seen.get(model, 0) + 1
+        with self._lock:
+            self.models_seen[model] = self.models_seen.get(model, 0) + 1
         path = request.url.path
         endpoint = next((e for e in _ENDPOINTS if path.endswith(e)), None)
         if endpoint is None or model not in self.model_names:
@@ -194,7 +211,7 @@ def _delivery_class(library: str) -> type:
         def mark(self) -> None:
             if not self.delivered:
                 self.delivered = True
-                self._route.delivered_calls += 1
+                self._route.count_delivered()
 
     return Delivery
 
