@@ -182,7 +182,9 @@ class RolloutScope:
         A call cut short (the rollout's timeout, a cancelled task) is recorded by the gateway once it notices
         the client has gone, a moment after the cut: call this before ``trajectory()`` when the run was stopped.
         A call cut before its request was out (waiting for a connection) never reaches the gateway; one whose
-        delivery could not be seen is waited for ``grace`` seconds only.
+        delivery could not be seen is waited for ``grace`` seconds only. A call whose client still waits for its
+        answer (a synchronous node's thread carries on when the rollout's task is cancelled) is not waited for:
+        ``trajectory()`` counts it as unanswered.
         """
         start = time.monotonic()
         while time.monotonic() - start < timeout:
@@ -224,7 +226,7 @@ class RolloutScope:
         if cancelled:
             labels["cancelled_calls"] = cancelled
         # The gateway is asked only when some call has no record (one more round trip on a remote backend).
-        if len({r.request_id for r in records}) < self.route.calls_maybe_recorded:
+        if self.route.waiting_calls or len({r.request_id for r in records}) < self.route.calls_maybe_recorded:
             unanswered = self.model.rollout_status(self.rollout_id).unanswered
             if unanswered:
                 labels["unanswered_calls"] = unanswered

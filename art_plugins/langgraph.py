@@ -16,6 +16,12 @@ as before. Each routed call is labelled with the LangGraph node that made it.
 its last state); ``method="ainvoke"``, ``"invoke"`` or ``"astream_events"`` run it those ways. To drive
 the graph yourself, open the scope: ``with agent.capture() as run: graph.invoke(...)``, then
 ``run.trajectory(final_state=...)``.
+
+Synchronous nodes (``def work(state)``) are fine, in any number: under ``astream``/``ainvoke`` LangGraph runs
+them on the event loop's default thread pool, where each holds its thread until the model answers, and the
+engine, gateway and training step never need a thread of that pool (``art_core._threads``); nodes beyond the
+pool's size wait for a thread. ``method="invoke"`` runs each rollout in a thread of its own (its nodes then
+run on LangGraph's own per-run pool), so a group never queues behind itself.
 """
 
 from __future__ import annotations
