@@ -254,8 +254,9 @@ class RolloutScope:
         parts += [f"{route.failed_calls} failed before any answer (connection errors)"] if route.failed_calls else []
         parts += [f"{cut} cut before the gateway recorded them"] if cut else []
         if status.unanswered:
-            state = {"paused": "paused (a training step is running, or its checkpoint did not load): they wait for it",
-                     "closed": "closed"}.get(status.gateway, "serving: they are queued for or being sampled by the engine")
+            state = {"serving": "serving: they are queued for or being sampled by the engine",
+                     "paused": "paused (a training step is running, or its checkpoint did not load): they wait for it",
+                     "closed": "closed"}[status.gateway]
             ended = "the rollout's timeout ended the run" if stop_reason == "timeout" else "the run ended"
             advice = f"{ended} before the gateway answered them; the gateway is {state}"
         elif stop_reason == "timeout":

@@ -95,6 +95,7 @@ class Route:
     _waiting: set[Any] = field(default_factory=set, init=False, repr=False)
     """The calls (their deliveries) whose client still waits for the answer."""
     _warned_loop: bool = field(default=False, init=False, repr=False)
+    """Whether ``check_blocking_call`` has warned already."""
 
     @property
     def waiting_calls(self) -> int:
@@ -170,8 +171,8 @@ class Route:
     def call_headers(self) -> list[tuple[str, str]]:
         """The headers the gateway reads for the call being made now: its caller label and, when seeded, its seed.
 
-        Call it once per call, before ``calling``: each call takes the next position (the index of its seed), under a lock, since a
-        rollout's calls may come from several threads at once.
+        Call it once per call, before ``calling``: each call takes the next position (the index of its seed), under
+        a lock, since a rollout's calls may come from several threads at once.
         """
         headers = []
         label = self.caller_label()

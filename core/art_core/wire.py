@@ -43,8 +43,8 @@ from .types import TrajectoryGroup
 
 __all__ = ["ADAPTER_STEP_HEADER", "API_PREFIX", "CALLER_HEADER", "COMPLETION_TOKENS_HEADER", "PROMPT_TOKENS_HEADER",
            "REQUEST_ID_HEADER", "ROLLOUT_ID_HEADER", "ROLLOUT_ID_PATTERN", "SEED_HEADER", "TRAIN_ID_PATTERN",
-           "DeleteCheckpoints", "ErrorBody", "Registered", "RolloutStatus", "SampleRequest", "TrainRequest", "call_headers",
-           "error_from_wire", "gateway_path", "train_id_for"]
+           "DeleteCheckpoints", "ErrorBody", "Registered", "RolloutStatus", "SampleRequest", "TrainRequest",
+           "call_headers", "error_from_wire", "gateway_path", "train_id_for"]
 
 # -- the gateway's headers ------------------------------------------------------------------------------
 

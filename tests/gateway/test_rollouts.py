@@ -12,8 +12,11 @@ import openai
 import pytest
 from fakes import FakeEngine, random_delay
 
+from art_core import LoraSettings, ModelSpec
+from art_core.backends.ray.rollouts import GatewayView
 from art_core.errors import ConfigError
 from art_core.gateway import ExchangeRecord, Gateway, GatewaySettings
+from art_core.wire import RolloutStatus
 
 
 def user(text: str) -> list[dict[str, str]]:
@@ -150,6 +153,12 @@ async def test_status_names_a_paused_gateway(gateway: Gateway):
         held = asyncio.create_task(client.chat.completions.create(model="agent", messages=user("a")))
         await _until(lambda: gateway.rollout_status("held").unanswered == 1)
         assert gateway.rollout_status("held").gateway == "paused" and not held.done()
+        # What a Ray rollout worker sees over HTTP (its GatewayView is sync: called from a thread, as a worker's
+        # adapter code would not block the loop serving this gateway).
+        view = GatewayView(gateway.url, None, 0)
+        spec = ModelSpec(name="agent", project="p", base_model="x", lora=LoraSettings())
+        status = await asyncio.to_thread(view.rollout_status, spec, "held")
+        assert status == RolloutStatus(unanswered=1, gateway="paused")
         await gateway.resume_after_training(0)
         await held
     assert gateway.rollout_status("held").model_dump() == {"unanswered": 0, "gateway": "serving"}

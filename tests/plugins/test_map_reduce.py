@@ -3,8 +3,8 @@
 LangGraph runs a graph's synchronous nodes on the event loop's default thread pool, where each node that calls
 the trainable model holds its thread until the gateway answers. The engine, the gateway and the training step
 must never need a thread of that pool, or enough parallel nodes deadlock the run (issue 31). Here the pool gets
-4 threads, fewer than the 16 nodes of one fan-out (a 2-core machine has 6; a 16-core one 20), so the hazard is
-the same on every machine. The model is the tiny random Qwen2 (8 tokens a call): real graphs, the real gateway,
+8 threads, fewer than the 16 nodes of one fan-out (a 2-core machine has 6; a 16-core one 20), so the hazard is
+the same on every machine. The model is the tiny random Qwen2 (5 tokens a call): real graphs, the real gateway,
 engine and trainer.
 
 No test waits on a duration: a call is held by pausing the engine (a gate the test controls), and the
@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.filterwarnin
 
 NAME = "agent"
 FAN_OUT = 16
-POOL = 4  # threads of the loop's default pool: fewer than FAN_OUT
+POOL = 8  # threads of the loop's default pool: fewer than FAN_OUT
 BACKSTOP = 600.0  # seconds: a backstop only a hang (the regression) reaches; a run takes a second, a minute under load
 TOPICS = [f"topic number {i}" for i in range(FAN_OUT)]
 
@@ -60,7 +60,7 @@ def map_reduce(*, sync: bool, gate: threading.Event | None = None) -> Any:
     ``gate``: the ``best`` node waits for it before its call (the test releases it).
     """
     llm = ChatOpenAI(model=NAME, base_url=f"http://127.0.0.1:9/{uuid.uuid4().hex[:8]}/v1", api_key="unused",
-                     temperature=1.0, max_tokens=8)
+                     temperature=1.0, max_tokens=5)
 
     def fan_out(state: State) -> list[Send]:
         return [Send("work", {"topic": topic}) for topic in state["topics"]]

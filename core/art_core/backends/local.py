@@ -42,8 +42,8 @@ from .base import ModelSpec, TrainResult
 if TYPE_CHECKING:
     from ..gateway import Gateway
     from ..gateway.records import ExchangeRecord
-    from ..wire import RolloutStatus
     from ..training.trainer import GRPOTrainer
+    from ..wire import RolloutStatus
 
 __all__ = ["LocalBackend"]
 
