@@ -15,7 +15,8 @@ as before. Each routed call is labelled with the LangGraph node that made it.
 ``rollout`` runs the graph with ``astream`` by default (so a run stopped by its step or time limit keeps
 its last state); ``method="ainvoke"``, ``"invoke"`` or ``"astream_events"`` run it those ways. To drive
 the graph yourself, open the scope: ``with agent.capture() as run: graph.invoke(...)``, then
-``run.trajectory(final_state=...)``.
+``run.trajectory(final_state=...)`` (call the sync API from a thread, never from the event loop that serves a
+``LocalBackend``'s gateway: blocked, it could not answer; the routing layer warns when that happens).
 
 Synchronous nodes (``def work(state)``) are fine, in any number: under ``astream``/``ainvoke`` LangGraph runs
 them on the event loop's default thread pool, where each holds its thread until the model answers, and the
