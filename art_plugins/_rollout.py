@@ -182,7 +182,9 @@ class RolloutScope:
         A call cut short (the rollout's timeout, a cancelled task) is recorded by the gateway once it notices
         the client has gone, a moment after the cut: call this before ``trajectory()`` when the run was stopped.
         A call cut before its request was out (waiting for a connection) never reaches the gateway; one whose
-        delivery could not be seen is waited for ``grace`` seconds only.
+        delivery could not be seen is waited for ``grace`` seconds only. A call whose client still waits for its
+        answer (a synchronous node's thread carries on when the rollout's task is cancelled) is not waited for:
+        ``trajectory()`` counts it as unanswered.
         """
         start = time.monotonic()
         while time.monotonic() - start < timeout:
@@ -198,7 +200,8 @@ class RolloutScope:
 
         Calls cut short are kept with the tokens sampled before the cut (``finish_reason="cancelled"``);
         ``metadata["cancelled_calls"]`` counts them, when there are any. A call cut before its first token carries nothing to
-        train on and is left out.
+        train on and is left out. Calls the gateway had received but not answered when the run ended (a synchronous
+        node still waiting in its thread) have no record yet: ``metadata["unanswered_calls"]`` counts them.
 
         Args:
             final_state: what the run ended with (kept in memory on ``trajectory.final_state``).
@@ -208,15 +211,10 @@ class RolloutScope:
 
         Raises:
             NoTrainableCallsError: the run never called the trainable model (the message lists what it called),
-                or its calls were sent but none of them sampled a token (the message says what happened to them).
+                or its calls were sent but none of them sampled a token (the message says what happened to them:
+                how many the gateway received and never answered, cut, refused).
         """
         records = self.model.rollout_records(self.rollout_id)
-        if not records and not self.route.routed_calls:
-            seen = ", ".join(f"{name!r} ({count}x)" for name, count in self.route.models_seen.items()) or "none"
-            raise NoTrainableCallsError(
-                f"rollout {self.rollout_id} never called the trainable model (routed names: "
-                f"{sorted(self.route.model_names)}); models called over the OpenAI API: {seen}. Construct the "
-                "agent's chat model with one of the routed names, or pass model_names=[...] naming the one it uses")
         sampled = [r for r in records if r.completion_token_ids]
         if not sampled:
             raise NoTrainableCallsError(self._why_nothing_sampled(records, stop_reason))
@@ -227,6 +225,11 @@ class RolloutScope:
         cancelled = sum(r.finish_reason == "cancelled" for r in records)
         if cancelled:
             labels["cancelled_calls"] = cancelled
+        # The gateway is asked only when some call has no record (one more round trip on a remote backend).
+        if self.route.waiting_calls or len({r.request_id for r in records}) < self.route.calls_maybe_recorded:
+            unanswered = self.model.rollout_status(self.rollout_id).unanswered
+            if unanswered:
+                labels["unanswered_calls"] = unanswered
         trajectory = trajectory_from_records(sampled, id=self.trajectory_id, metadata={**labels, **(metadata or {})})
         trajectory.final_state = final_state
         for observer in self.observers:
@@ -237,21 +240,58 @@ class RolloutScope:
         return {r.request_id for r in self.model.rollout_records(self.rollout_id)}
 
     def _why_nothing_sampled(self, records: list[Any], stop_reason: str | None) -> str:
+        """What became of the rollout's calls, as far as the scope and the gateway know (no guess at a cause)."""
         route = self.route
-        unrecorded = max(route.calls_to_record - len({r.request_id for r in records}), 0)
+        status = self.model.rollout_status(self.rollout_id)
+        if not records and not route.routed_calls and not status.unanswered:
+            return self._why_never_called(stop_reason)
+        recorded = len({r.request_id for r in records})
+        cut = max(route.calls_to_record - recorded - status.unanswered, 0)
         parts = [f"{len(records)} recorded with no token sampled (cut before the first token)"] if records else []
+        parts += [f"{status.unanswered} received by the gateway and never answered (still in flight when the rollout "
+                  "ended)"] if status.unanswered else []
         parts += [f"{route.refused_calls} refused by the gateway with an error status"] if route.refused_calls else []
         parts += [f"{route.failed_calls} failed before any answer (connection errors)"] if route.failed_calls else []
-        parts += [f"{unrecorded} cut before the gateway recorded them"] if unrecorded else []
-        if stop_reason == "timeout":
+        parts += [f"{cut} cut before the gateway recorded them"] if cut else []
+        if status.unanswered:
+            state = {"serving": "serving: they are queued for or being sampled by the engine",
+                     "paused": "paused (a training step is running, or its checkpoint did not load): they wait for it",
+                     "closed": "closed"}[status.gateway]
+            ended = "the rollout's timeout ended the run" if stop_reason == "timeout" else "the run ended"
+            advice = f"{ended} before the gateway answered them; the gateway is {state}"
+        elif stop_reason == "timeout":
             advice = ("the rollout's timeout cut them: raise timeout=, or ask for fewer tokens per call "
                       "(max_tokens) so a call ends in time")
         elif route.refused_calls:
             advice = "the gateway's log and the agent's error say why it refused them"
         else:
             advice = "the run stopped before any of them sampled a token"
-        return (f"rollout {self.rollout_id} sent {route.routed_calls} call(s) to the trainable model, but none "
-                f"completed with a sampled token: {'; '.join(parts) or 'none recorded'}. Nothing to train on: {advice}")
+        sent = max(route.routed_calls, recorded + status.unanswered)
+        return (f"rollout {self.rollout_id} sent {sent} call(s) to the trainable model, but none completed with a "
+                f"sampled token: {'; '.join(parts) or 'none recorded'}. Nothing to train on: {advice}")
+
+    def _why_never_called(self, stop_reason: str | None) -> str:
+        seen = ", ".join(f"{name!r} ({count}x)" for name, count in self.route.models_seen.items())
+        message = (f"rollout {self.rollout_id} never called the trainable model (routed names: "
+                   f"{sorted(self.route.model_names)}); models named by calls made in the rollout's context: "
+                   f"{seen or 'none'}. ")
+        rename = ("Construct the agent's chat model with one of the routed names, or pass model_names=[...] naming "
+                  "the one it uses")
+        if stop_reason is not None:
+            message += f"The run was stopped ({stop_reason}) before it made any call to the trainable model"
+            if seen:
+                return f"{message}. {rename}"
+            if stop_reason == "timeout":
+                message += (", or to any model. Synchronous graph nodes and tools run on the event loop's default "
+                            "thread pool (min(32, cores + 4) threads): while blocked code holds all of them, the "
+                            "next node waits for a thread")
+            return message
+        if seen:
+            return message + rename
+        return message + ("The run made no model call that could be seen: calls made from a thread that does not copy "
+                          "the context (threading.Thread, or executor.submit without contextvars.copy_context().run; "
+                          "asyncio.to_thread copies it) are neither seen nor routed, nor are calls of an HTTP client "
+                          "other than httpx")
 
     def scored(self, trajectory: Trajectory) -> Trajectory:
         """The scored trajectory, its scores sent by the tracers."""

@@ -18,11 +18,13 @@ scope the classes are exactly as the libraries shipped them.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import hashlib
 import importlib
 import json
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextvars import ContextVar
@@ -33,6 +35,8 @@ from urllib.parse import quote
 from art_core.wire import CALLER_HEADER, SEED_HEADER
 
 __all__ = ["CountingTransport", "Route", "current_route", "derive_seed", "routed", "wrappers_installed"]
+
+logger = logging.getLogger(__name__)
 
 _ENDPOINTS = ("/chat/completions", "/responses")
 # Headers that belong to the original destination or are recomputed for the new body.
@@ -83,29 +87,56 @@ class Route:
     """Of the delivered, calls the gateway answered with an error status (it records none of them)."""
     failed_calls: int = 0
     """Of the delivered, calls that failed before any answer (connection errors): the gateway may not record them."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    """The counts change from every thread the rollout's calls are made in (a graph's synchronous nodes run in
+    parallel threads): ``+=`` on an attribute is not atomic, and two calls must never take the same position."""
+    _positions: int = field(default=0, init=False, repr=False)
+    """Calls given a position (and, when seeded, its seed) by ``call_headers``."""
+    _waiting: set[Any] = field(default_factory=set, init=False, repr=False)
+    """The calls (their deliveries) whose client still waits for the answer."""
+    _warned_loop: bool = field(default=False, init=False, repr=False)
+    """Whether ``check_blocking_call`` has warned already."""
+
+    @property
+    def waiting_calls(self) -> int:
+        """Routed calls whose client still waits for the gateway's answer (after the rollout ended, only calls made
+        from threads: a synchronous node's thread goes on when the rollout's task is cancelled)."""
+        return len(self._waiting)
 
     @property
     def calls_to_record(self) -> int:
-        """Calls the gateway should record: delivered, and neither refused nor failed (finished or cut off)."""
-        return self.delivered_calls - self.refused_calls - self.failed_calls
+        """Calls the gateway should have recorded by now: delivered, neither refused nor failed, and no longer
+        awaited by their client (finished, or cut off: the gateway records a cut call once it sees the client go)."""
+        with self._lock:
+            awaited = sum(d.delivered for d in self._waiting)
+        return self.delivered_calls - self.refused_calls - self.failed_calls - awaited
 
     @property
     def calls_maybe_recorded(self) -> int:
-        """Calls the gateway may record: ``calls_to_record`` plus those that may have reached it unseen (a
-        transport that sends ``request.content`` without reading the body stream never marks delivery)."""
-        return self.routed_calls - self.refused_calls - self.failed_calls
+        """Calls the gateway may have recorded by now: ``calls_to_record`` plus those that may have reached it
+        unseen (a transport that sends ``request.content`` without reading the body stream never marks delivery)."""
+        return self.routed_calls - self.refused_calls - self.failed_calls - self.waiting_calls
 
-    def call_started(self, request: Any) -> Any:
-        """Count ``request`` (an httpx request about to be sent) as routed, and as delivered once its body is out.
-        Returns the handle for ``call_failed``."""
-        self.routed_calls += 1
+    @contextlib.contextmanager
+    def calling(self, request: Any) -> Iterator[Any]:
+        """Count ``request`` (an httpx request about to be sent) while the code inside sends it: routed, delivered
+        once its body is out, failed if it raises before any answer, and waited for until it ends. Yields the
+        handle for ``call_answered``."""
+        with self._lock:
+            self.routed_calls += 1
         request.stream = delivery = _delivery(request.stream, self, request)
-        return delivery
-
-    def call_failed(self, delivery: Any) -> None:
-        """The call raised before any answer (a cancelled call is not a failure: the gateway records it as cut)."""
-        if delivery.delivered:
-            self.failed_calls += 1
+        with self._lock:
+            self._waiting.add(delivery)
+        try:
+            yield delivery
+        except Exception:
+            if delivery.delivered:  # a cancelled call is no failure: the gateway records it as cut
+                with self._lock:
+                    self.failed_calls += 1
+            raise
+        finally:
+            with self._lock:
+                self._waiting.discard(delivery)
 
     def call_answered(self, delivery: Any, response: Any) -> None:
         """Note the status the gateway answered a routed call with, and hand the response to ``on_response``."""
@@ -113,6 +144,24 @@ class Route:
         self.count_answer(response.status_code)
         if self.on_response is not None:
             self.on_response(response)
+
+    def check_blocking_call(self) -> None:
+        """Warn (once per rollout) when a synchronous call is made from a thread that runs an event loop.
+
+        The call blocks that loop until answered; if the gateway is served from the same loop (``LocalBackend``
+        serves it in the caller's), it can never answer, and the call hangs until its client times out.
+        """
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # an ordinary thread (a graph's sync node, a worker): the loop stays free
+        if not self._warned_loop:
+            self._warned_loop = True
+            logger.warning(
+                "a synchronous call to the trainable model is made from the thread of a running event loop: it "
+                "blocks the loop until answered, and a gateway served from that loop (LocalBackend) can never "
+                "answer it. Run the graph with ainvoke/astream (or trainable(...).rollout(method='invoke'), which "
+                "uses a thread of its own), or call invoke from a thread: await asyncio.to_thread(graph.invoke, ...)")
 
     def caller_label(self) -> str | None:
         """The ``X-Art-Caller`` value for the call being made now (the part of the agent making it), if any."""
@@ -122,20 +171,29 @@ class Route:
     def call_headers(self) -> list[tuple[str, str]]:
         """The headers the gateway reads for the call being made now: its caller label and, when seeded, its seed.
 
-        Call it once per call, just before the call is counted (``call_started``): the seed is the call's position.
+        Call it once per call, before ``calling``: each call takes the next position (the index of its seed), under
+        a lock, since a rollout's calls may come from several threads at once.
         """
         headers = []
         label = self.caller_label()
         if label:
             headers.append((CALLER_HEADER, label))
+        with self._lock:
+            position, self._positions = self._positions, self._positions + 1
         if self.seed is not None:
-            headers.append((SEED_HEADER, str(derive_seed(self.seed, self.routed_calls))))
+            headers.append((SEED_HEADER, str(derive_seed(self.seed, position))))
         return headers
 
     def count_answer(self, status_code: int) -> None:
         """Note the status the gateway answered a routed call with."""
         if status_code >= 400:
-            self.refused_calls += 1
+            with self._lock:
+                self.refused_calls += 1
+
+    def count_delivered(self) -> None:
+        """Note that a routed call's whole request was handed to the connection."""
+        with self._lock:
+            self.delivered_calls += 1
 
     def rewrite(self, request: Any) -> Any:
         """The request to send instead of ``request`` (the same object when it is not for the trainable model)."""
@@ -149,7 +207,8 @@ class Route:
         if not isinstance(model, str):
             return request
         # Any provider's model call counts here (Anthropic's /v1/messages too), for the "never called" error.
-        self.models_seen[model] = self.models_seen.get(model, 0) + 1
+        with self._lock:
+            self.models_seen[model] = self.models_seen.get(model, 0) + 1
         path = request.url.path
         endpoint = next((e for e in _ENDPOINTS if path.endswith(e)), None)
         if endpoint is None or model not in self.model_names:
@@ -194,7 +253,7 @@ def _delivery_class(library: str) -> type:
         def mark(self) -> None:
             if not self.delivered:
                 self.delivered = True
-                self._route.delivered_calls += 1
+                self._route.count_delivered()
 
     return Delivery
 
@@ -262,12 +321,8 @@ def _wrap(original: Callable[..., Any], is_async: bool) -> Callable[..., Any]:
             if sent is request:
                 return await original(self, request, **kwargs)
             assert route is not None
-            delivery = route.call_started(sent)
-            try:
+            with route.calling(sent) as delivery:
                 response = await original(self, sent, **kwargs)
-            except Exception:
-                route.call_failed(delivery)
-                raise
             route.call_answered(delivery, response)
             return response
         return send_async
@@ -278,12 +333,9 @@ def _wrap(original: Callable[..., Any], is_async: bool) -> Callable[..., Any]:
         if sent is request:
             return original(self, request, **kwargs)
         assert route is not None
-        delivery = route.call_started(sent)
-        try:
+        route.check_blocking_call()
+        with route.calling(sent) as delivery:
             response = original(self, sent, **kwargs)
-        except Exception:
-            route.call_failed(delivery)
-            raise
         route.call_answered(delivery, response)
         return response
     return send
@@ -305,12 +357,8 @@ class CountingTransport:
     async def handle_async_request(self, request: Any) -> Any:
         for name, value in self._route.call_headers():
             request.headers[name] = value
-        delivery = self._route.call_started(request)
-        try:
+        with self._route.calling(request) as delivery:
             response = await self._inner.handle_async_request(request)
-        except Exception:
-            self._route.call_failed(delivery)
-            raise
         self._route.call_answered(delivery, response)
         return response
 

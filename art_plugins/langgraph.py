@@ -15,13 +15,23 @@ as before. Each routed call is labelled with the LangGraph node that made it.
 ``rollout`` runs the graph with ``astream`` by default (so a run stopped by its step or time limit keeps
 its last state); ``method="ainvoke"``, ``"invoke"`` or ``"astream_events"`` run it those ways. To drive
 the graph yourself, open the scope: ``with agent.capture() as run: graph.invoke(...)``, then
-``run.trajectory(final_state=...)``.
+``run.trajectory(final_state=...)`` (call the sync API from a thread, never from the event loop that serves a
+``LocalBackend``'s gateway: blocked, it could not answer; the routing layer warns when that happens).
+
+Synchronous nodes (``def work(state)``) are fine, in any number: under ``astream``/``ainvoke`` LangGraph runs
+them on the event loop's default thread pool, where each holds its thread until the model answers, and the
+engine, gateway and training step never need a thread of that pool (``art_core._threads``); nodes beyond the
+pool's size wait for a thread. ``method="invoke"`` runs each rollout in a thread of its own (its nodes then
+run on LangGraph's own per-run pool), so a group never queues behind itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import functools
+import threading
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Literal, TypeVar, overload
 
@@ -192,8 +202,7 @@ async def _run(graph: Any, input: Any, config: dict[str, Any], method: Method, p
     if method == "ainvoke":
         progress.state = await graph.ainvoke(input, config)
     elif method == "invoke":
-        # to_thread copies the context, so the rollout's route follows the call into the worker thread.
-        progress.state = await asyncio.to_thread(graph.invoke, input, config)
+        progress.state = await _in_own_thread(graph.invoke, input, config)
     elif method == "astream":
         async for state in graph.astream(input, config, stream_mode="values"):
             progress.state = state
@@ -201,6 +210,37 @@ async def _run(graph: Any, input: Any, config: dict[str, Any], method: Method, p
         async for event in graph.astream_events(input, config, version="v2"):
             if event["event"] == "on_chain_end" and not event.get("parent_ids"):
                 progress.state = event["data"].get("output")
+
+
+async def _in_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a new thread, with a copy of the caller's context (the rollout's route follows the call).
+
+    Not ``asyncio.to_thread``: on the event loop's default pool (``min(32, cores + 4)`` threads), a group of
+    ``invoke`` rollouts larger than the pool would queue behind itself and behind the user's other blocking code,
+    and a rollout's timeout could run out before it started. Cancelling the caller stops the wait, not the run.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if done.done():  # the rollout was cancelled (its timeout) while the graph ran on
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    def run() -> None:
+        try:
+            outcome: tuple[Any, BaseException | None] = (context.run(fn, *args), None)
+        except BaseException as exc:  # handed to the awaiting rollout, which raises it
+            outcome = (None, exc)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=run, name="art-langgraph-invoke", daemon=True).start()
+    return await done
 
 
 @overload

@@ -22,6 +22,7 @@ from .types import CallRecord, Trajectory, TrajectoryGroup
 if TYPE_CHECKING:
     from .backends.base import Backend, ModelSpec
     from .gateway.records import ExchangeRecord
+    from .wire import RolloutStatus
 
 __all__ = ["StepHook", "TrainableModel"]
 
@@ -177,6 +178,11 @@ class TrainableModel:
     def rollout_records(self, rollout_id: str) -> list[ExchangeRecord]:
         """The gateway's full records of a rollout's calls (conversation, reply, tokens), oldest first."""
         return self.backend.rollout_records(self.spec, rollout_id)
+
+    def rollout_status(self, rollout_id: str) -> RolloutStatus:
+        """What the gateway knows of a rollout's calls beyond their records: ``unanswered``, the calls it received
+        and has not answered yet (a rollout that ended with some never saw their answers), and its state."""
+        return self.backend.rollout_status(self.spec, rollout_id)
 
     def rollout_trajectory(self, rollout_id: str, **fields: Any) -> Trajectory:
         """The rollout rebuilt from its records, one history per distinct context (see ``art_core.trajectories``).

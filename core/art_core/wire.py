@@ -21,7 +21,8 @@ Training API (prefix ``API_PREFIX``, every route behind the bearer token)::
     GET  /models/{project}/{name}/history            -> list[dict] (history.jsonl)
 
 Each model's OpenAI-compatible gateway is served under ``/gateway/{project}/{name}`` (``.../v1``,
-``.../rollouts/{rollout_id}/v1``, ``.../rollouts/{rollout_id}/records``).
+``.../rollouts/{rollout_id}/v1``, ``.../rollouts/{rollout_id}/records``, ``.../rollouts/{rollout_id}/status``:
+a ``RolloutStatus``).
 
 A train call answers with server-sent events, one JSON object each: ``accepted`` (``{"train_id", "state"}``,
 state ``new``, ``running`` or ``done``), ``progress`` (``{"done", "total"}``) as micro-batches finish, then
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -42,8 +43,8 @@ from .types import TrajectoryGroup
 
 __all__ = ["ADAPTER_STEP_HEADER", "API_PREFIX", "CALLER_HEADER", "COMPLETION_TOKENS_HEADER", "PROMPT_TOKENS_HEADER",
            "REQUEST_ID_HEADER", "ROLLOUT_ID_HEADER", "ROLLOUT_ID_PATTERN", "SEED_HEADER", "TRAIN_ID_PATTERN",
-           "DeleteCheckpoints", "ErrorBody", "Registered", "SampleRequest", "TrainRequest", "call_headers",
-           "error_from_wire", "gateway_path", "train_id_for"]
+           "DeleteCheckpoints", "ErrorBody", "Registered", "RolloutStatus", "SampleRequest", "TrainRequest",
+           "call_headers", "error_from_wire", "gateway_path", "train_id_for"]
 
 # -- the gateway's headers ------------------------------------------------------------------------------
 
@@ -81,6 +82,19 @@ def call_headers(request_id: str, adapter_step: int, prompt_tokens: int,
     if completion_tokens is not None:
         headers[COMPLETION_TOKENS_HEADER] = str(completion_tokens)
     return headers
+
+
+class RolloutStatus(BaseModel):
+    """What a gateway knows of a rollout's calls beyond their records (``GET .../rollouts/{rollout_id}/status``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    unanswered: int = Field(ge=0)
+    """Calls received and not answered yet: held while the gateway is paused, being sampled, or being recorded.
+    A rollout that ended with some has not seen their answers, and its records lack them."""
+    gateway: Literal["serving", "paused", "closed"]
+    """The gateway's state now: ``paused`` while a training step runs (requests wait), or after its checkpoint
+    failed to load."""
 
 
 # -- the training API -----------------------------------------------------------------------------------

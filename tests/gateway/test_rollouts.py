@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -11,8 +12,11 @@ import openai
 import pytest
 from fakes import FakeEngine, random_delay
 
+from art_core import LoraSettings, ModelSpec
+from art_core.backends.ray.rollouts import GatewayView
 from art_core.errors import ConfigError
 from art_core.gateway import ExchangeRecord, Gateway, GatewaySettings
+from art_core.wire import RolloutStatus
 
 
 def user(text: str) -> list[dict[str, str]]:
@@ -114,3 +118,47 @@ async def test_load_32_sessions_200_requests(engine: FakeEngine, tmp_path: Path)
         assert gateway.records.for_rollout(None) == []
     lines = (tmp_path / "records.jsonl").read_text().splitlines()
     assert len(lines) == total
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    """Wait until ``condition()`` holds: an event the test has no handle to await (no guess at how long it takes)."""
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
+async def test_status_counts_the_calls_received_and_not_yet_answered(tiny_gateway: Gateway):
+    gateway = tiny_gateway
+    await gateway.engine.pause()  # the test holds the engine: it queues what it gets and answers nothing
+    async with openai.AsyncOpenAI(base_url=gateway.rollout_base_url("held"), api_key="k", max_retries=0) as client, \
+            httpx.AsyncClient(base_url=gateway.url) as http:
+        plain = asyncio.create_task(client.chat.completions.create(model="agent", messages=user("a"), max_tokens=3))
+        streamed = asyncio.create_task(client.chat.completions.create(model="agent", messages=user("b"), max_tokens=3,
+                                                                      stream=True))
+        await _until(lambda: gateway.rollout_status("held").unanswered == 2)
+        assert (await http.get("/rollouts/held/status")).json() == {"unanswered": 2, "gateway": "serving"}
+        assert (await http.get("/rollouts/other/status")).json() == {"unanswered": 0, "gateway": "serving"}
+        assert (await http.get("/rollouts/a%20b/status")).status_code == 400
+        assert gateway.records.for_rollout("held") == [] and not plain.done() and not streamed.done()
+        await gateway.engine.resume()
+        await plain
+        async for _ in await streamed:
+            pass
+        assert (await http.get("/rollouts/held/status")).json() == {"unanswered": 0, "gateway": "serving"}
+    assert len(gateway.records.for_rollout("held")) == 2
+
+
+async def test_status_names_a_paused_gateway(gateway: Gateway):
+    async with openai.AsyncOpenAI(base_url=gateway.rollout_base_url("held"), api_key="k", max_retries=0) as client:
+        await gateway.pause_for_training()
+        held = asyncio.create_task(client.chat.completions.create(model="agent", messages=user("a")))
+        await _until(lambda: gateway.rollout_status("held").unanswered == 1)
+        assert gateway.rollout_status("held").gateway == "paused" and not held.done()
+        # What a Ray rollout worker sees over HTTP (its GatewayView is sync: called from a thread, as a worker's
+        # adapter code would not block the loop serving this gateway).
+        view = GatewayView(gateway.url, None, 0)
+        spec = ModelSpec(name="agent", project="p", base_model="x", lora=LoraSettings())
+        status = await asyncio.to_thread(view.rollout_status, spec, "held")
+        assert status == RolloutStatus(unanswered=1, gateway="paused")
+        await gateway.resume_after_training(0)
+        await held
+    assert gateway.rollout_status("held").model_dump() == {"unanswered": 0, "gateway": "serving"}

@@ -29,7 +29,7 @@ from art_core import (
     TrajectoryError,
     TrajectoryGroup,
 )
-from art_core.wire import API_PREFIX
+from art_core.wire import API_PREFIX, RolloutStatus
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -153,6 +153,7 @@ async def test_remote_backend_contract(server: Server, tiny_model_dir):
         assert reply.choices[0].message is not None
         records = model.rollout_records("r-1")
         assert len(records) == 1 and records[0].request_id == reply.id and records[0].rollout_id == "r-1"
+        assert model.rollout_status("r-1") == RolloutStatus(unanswered=0, gateway="serving")  # nothing in flight
         # Sampling, training, checkpoints, history.
         (sampled,) = await model.sample([{"role": "user", "content": "hi"}], max_tokens=3, seed=1)
         assert len(sampled.calls) == 1 and sampled.calls[0].logprobs is not None

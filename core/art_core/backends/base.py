@@ -25,6 +25,7 @@ from ..types import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from ..gateway.records import ExchangeRecord
+    from ..wire import RolloutStatus
 
 __all__ = ["Backend", "ModelSpec", "TrainResult"]
 
@@ -111,6 +112,10 @@ class Backend(Protocol):
 
     def rollout_records(self, model: ModelSpec, rollout_id: str) -> list[ExchangeRecord]:
         """The gateway's records of a rollout's calls, oldest first."""
+        ...
+
+    def rollout_status(self, model: ModelSpec, rollout_id: str) -> RolloutStatus:
+        """What the gateway knows of a rollout's calls beyond their records: those received and not answered yet."""
         ...
 
     def model_dir(self, model: ModelSpec) -> Path:

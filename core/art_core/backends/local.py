@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .._threads import TRAINING
 from ..config import TrainConfig
 from ..engines.base import SamplingParams
 from ..errors import ConfigError, EngineError, LifecycleError
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from ..gateway import Gateway
     from ..gateway.records import ExchangeRecord
     from ..training.trainer import GRPOTrainer
+    from ..wire import RolloutStatus
 
 __all__ = ["LocalBackend"]
 
@@ -196,6 +198,9 @@ class LocalBackend:
     def rollout_records(self, model: ModelSpec, rollout_id: str) -> list[ExchangeRecord]:
         return self._gateway(model).records.for_rollout(rollout_id)
 
+    def rollout_status(self, model: ModelSpec, rollout_id: str) -> RolloutStatus:
+        return self._gateway(model).rollout_status(rollout_id)
+
     async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig, *,
                     progress: Callable[[int, int], None] | None = None) -> TrainResult:
         """The contract's ``train``; ``progress(done, total)``, when given, is called from the training thread
@@ -218,8 +223,8 @@ class LocalBackend:
 
         # 2. trajectories to disk, one GRPO step, the checkpoint (a worker thread: the loop keeps serving I/O)
         try:
-            metrics, checkpoint = await asyncio.to_thread(self._with_threads,
-                                                          lambda: self._train_sync(slot, groups, config, report))
+            metrics, checkpoint = await TRAINING.run(self._with_threads,
+                                                     lambda: self._train_sync(slot, groups, config, report))
         except BaseException:
             if slot.error is None:  # the step was not applied: serve on as before
                 await self._resume(slot)
@@ -347,7 +352,7 @@ class LocalBackend:
                 trainer.load_optimizer_state(latest.path)
             return trainer
 
-        trainer = await asyncio.to_thread(self._with_threads, load_trainer)
+        trainer = await TRAINING.run(self._with_threads, load_trainer)
         step = latest.step if latest else 0
         serving = await self._inference.start(EngineContext(
             spec=model, base_dir=base_dir, policy=trainer.model, tokenizer=trainer.tokenizer, step=step,

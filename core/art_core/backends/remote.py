@@ -36,6 +36,7 @@ from ..wire import (
     ROLLOUT_ID_PATTERN,
     ErrorBody,
     Registered,
+    RolloutStatus,
     SampleRequest,
     error_from_wire,
     gateway_path,
@@ -133,22 +134,16 @@ class RemoteBackend:
         return f"{self._gateway_url(model)}/rollouts/{rollout_id}/v1"
 
     def rollout_records(self, model: ModelSpec, rollout_id: str) -> list[ExchangeRecord]:
-        # Sync by contract (the adapters call it from sync code); one loopback or LAN round trip per rollout,
-        # on a pooled connection.
         from ..gateway.records import ExchangeRecord
 
-        url = f"{self._gateway_url(model)}/rollouts/{rollout_id}/records"
-        if self._sync_client is None:
-            self._sync_client = httpx.Client(headers=self._headers, timeout=self.timeout)
-        try:
-            response = self._sync_client.get(url)
-        except httpx.TransportError as exc:
-            raise self._unavailable(exc) from exc
-        self._raise_for_error(response)
+        response = self._gateway_get(model, f"/rollouts/{rollout_id}/records")
         global _RECORDS
         if _RECORDS is None:
             _RECORDS = TypeAdapter(list[ExchangeRecord])
         return _RECORDS.validate_json(response.content)
+
+    def rollout_status(self, model: ModelSpec, rollout_id: str) -> RolloutStatus:
+        return RolloutStatus.model_validate_json(self._gateway_get(model, f"/rollouts/{rollout_id}/status").content)
 
     def model_dir(self, model: ModelSpec) -> Path:
         """The model's folder on the server's disk (not on this machine)."""
@@ -225,6 +220,19 @@ class RemoteBackend:
         return list((await self._call("GET", self._model_path(model, "history"))).json())
 
     # -- HTTP -------------------------------------------------------------------------------------------
+
+    def _gateway_get(self, model: ModelSpec, path: str) -> httpx.Response:
+        """GET ``path`` of the model's gateway. Sync by contract (the adapters call it from sync code): one
+        loopback or LAN round trip, on a pooled connection."""
+        url = self._gateway_url(model) + path
+        if self._sync_client is None:
+            self._sync_client = httpx.Client(headers=self._headers, timeout=self.timeout)
+        try:
+            response = self._sync_client.get(url)
+        except httpx.TransportError as exc:
+            raise self._unavailable(exc) from exc
+        self._raise_for_error(response)
+        return response
 
     def _http(self) -> httpx.AsyncClient:
         self._check_open()

@@ -15,6 +15,9 @@ layer's keys and values live in pre-allocated buffers, so a step writes its colu
 the matrix products are most of a step, and PyTorch's default path for them is ~1.8x slower at 8 rows; off by
 default, since the different summation order moves log-probs past 1e-5.
 
+The loop runs on a thread of the engine's own (``art-decode``, see ``art_core._threads``), never on the event
+loop's default pool, which the user's code can fill with calls waiting for this very engine.
+
 ``stream`` hands each request its tokens at the step that sampled them (one call into the event loop per
 request per step); a reader that stops abandons the request, and its rows leave the batch at the next step.
 
@@ -45,6 +48,7 @@ from typing import Any, Literal
 
 import torch
 
+from .._threads import HELPERS, OwnThreads
 from ..errors import ArtError, EngineError
 from ._batch import RunningBatch
 from ._packed import PackedLinears
@@ -125,6 +129,9 @@ class TransformersEngine:
         self._queue_lock = threading.Lock()  # the event loop appends, the decode thread takes
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task[None] | None = None
+        # The decode loop and adapter swaps run on a thread of the engine's own, never on the event loop's default
+        # pool: user code fills that one (a graph's synchronous nodes waiting for this very engine: _threads.py).
+        self._decode_thread = OwnThreads("art-decode")
         self._serving: asyncio.Event | None = None  # cleared while paused
         self._idle: asyncio.Event | None = None  # set when no decode loop is running
         self._closed = False
@@ -156,7 +163,7 @@ class TransformersEngine:
                                                   adapter_name=f"step-{adapter_step}")
             return cls(model, tokenizer, adapter_step=adapter_step if adapter_dir is not None else 0, **kwargs)
 
-        return await asyncio.to_thread(load)
+        return await HELPERS.run(load)
 
     # -- the Engine protocol --------------------------------------------------------------------------
 
@@ -198,7 +205,7 @@ class TransformersEngine:
             raise EngineError("the prompt is empty: render the chat template before calling the engine")
         if params.json_schema is not None or params.grammar is not None:
             # Compile now: a schema or grammar llguidance refuses fails this request only (ConstraintError).
-            await asyncio.to_thread(self._json_guide().check, params.json_schema, grammar=params.grammar)
+            await HELPERS.run(self._json_guide().check, params.json_schema, grammar=params.grammar)
         future: asyncio.Future[list[EngineOutput]] = asyncio.get_running_loop().create_future()
         request = _Request(list(prompt_token_ids), params, future, time.perf_counter(), deltas)
         with self._queue_lock:
@@ -231,7 +238,7 @@ class TransformersEngine:
             self.model.eval()
 
         try:
-            await asyncio.to_thread(swap)
+            await self._decode_thread.run(swap)
             self.weights_changed()
         except Exception as exc:
             raise EngineError(f"could not load the adapter in {path} as step {step}: {exc}") from exc
@@ -285,6 +292,7 @@ class TransformersEngine:
             except asyncio.CancelledError:
                 pass
             self._worker = None
+        self._decode_thread.close()  # a decode loop still running sees _closed at its next step and ends
         with self._queue_lock:
             queued, self._queue = self._queue, []
         for request in queued:
@@ -318,8 +326,8 @@ class TransformersEngine:
             self._idle.clear()
             try:
                 # Runs while there is work; requests that arrive meanwhile join it (see _take_queued).
-                await asyncio.to_thread(self._decode, [], self._take_queued, partial(_settle_soon, loop),
-                                        partial(_publish_soon, loop))
+                await self._decode_thread.run(self._decode, [], self._take_queued, partial(_settle_soon, loop),
+                                              partial(_publish_soon, loop))
             finally:
                 self._idle.set()
 

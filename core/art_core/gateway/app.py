@@ -16,6 +16,7 @@ Routes:
     GET  /v1/models, /v1/models/{model}       served.py
     (the same under /rollouts/{rollout_id}/v1/..., which records the calls under that rollout)
     GET  /rollouts/{rollout_id}/records       that rollout's exchange records, oldest first (JSON list)
+    GET  /rollouts/{rollout_id}/status        its calls received and not answered yet (``wire.RolloutStatus``)
     GET  /metrics                             counters (JSON)
     GET  /health                              gateway state and the engine's health
 """
@@ -96,6 +97,11 @@ def create_app(
     async def rollout_records(rollout_id: str, state: GatewayState = Depends(get_state)) -> list[dict[str, Any]]:
         check_rollout_id(rollout_id, where="the URL path")
         return [record.model_dump(mode="json") for record in state.records.for_rollout(rollout_id)]
+
+    @app.get("/rollouts/{rollout_id}/status")
+    async def rollout_status(rollout_id: str, state: GatewayState = Depends(get_state)) -> dict[str, Any]:
+        check_rollout_id(rollout_id, where="the URL path")
+        return state.control.rollout_status(rollout_id).model_dump(mode="json")
 
     @app.get("/metrics")
     async def metrics_route(state: GatewayState = Depends(get_state)) -> dict[str, Any]:

@@ -213,34 +213,35 @@ class Completion:
         Raises:
             APIError: the engine refused the request (400), is unavailable (503) or failed (500).
         """
-        state, params = self.state, self.params
-        choices = [_Choice(i, None, None) for i in range(params.n)]
-        tokens = stream_tokens(state.engine, self.prompt_ids, params)
-        waited, cancelled = 0.0, False
-        self._engine_called = 0.0
-        try:
-            async with state.control.admitted() as waited:
-                self._engine_called = time.perf_counter()
-                try:
-                    async for delta in tokens:
-                        _take(choices, delta, params.n, time.perf_counter())
-                except (APIError, asyncio.CancelledError):
-                    raise
-                except Exception as exc:
-                    raise _engine_failure(exc, params) from exc
-        except asyncio.CancelledError:
-            # Stopped from outside: the client went away, or the task was cancelled. Recorded below, unless
-            # every choice had already finished.
-            cancelled = any(c.finish is None for c in choices)
-            raise
-        finally:
-            await tokens.aclose()  # type: ignore[attr-defined]  # stops the engine's rows on an early stop
-            if cancelled:
-                self._record_cancelled(choices, waited)
-        unfinished = [c.index for c in choices if c.finish is None]
-        if unfinished:
-            raise _contract_broken(f"ended without finishing completion(s) {unfinished}")
-        return [self._record(c, waited) for c in choices]
+        with self.state.control.answering(self.rollout_id):  # counted until answered (GET /rollouts/{id}/status)
+            state, params = self.state, self.params
+            choices = [_Choice(i, None, None) for i in range(params.n)]
+            tokens = stream_tokens(state.engine, self.prompt_ids, params)
+            waited, cancelled = 0.0, False
+            self._engine_called = 0.0
+            try:
+                async with state.control.admitted() as waited:
+                    self._engine_called = time.perf_counter()
+                    try:
+                        async for delta in tokens:
+                            _take(choices, delta, params.n, time.perf_counter())
+                    except (APIError, asyncio.CancelledError):
+                        raise
+                    except Exception as exc:
+                        raise _engine_failure(exc, params) from exc
+            except asyncio.CancelledError:
+                # Stopped from outside: the client went away, or the task was cancelled. Recorded below, unless
+                # every choice had already finished.
+                cancelled = any(c.finish is None for c in choices)
+                raise
+            finally:
+                await tokens.aclose()  # type: ignore[attr-defined]  # stops the engine's rows on an early stop
+                if cancelled:
+                    self._record_cancelled(choices, waited)
+            unfinished = [c.index for c in choices if c.finish is None]
+            if unfinished:
+                raise _contract_broken(f"ended without finishing completion(s) {unfinished}")
+            return [self._record(c, waited) for c in choices]
 
     async def events(self) -> AsyncIterator[Event]:
         """Sample, yielding each choice's text and tool calls as they come, then a ``Done`` per choice.
@@ -252,41 +253,42 @@ class Completion:
         Raises:
             APIError: the engine refused the request (400), is unavailable (503) or failed (500).
         """
-        state, params = self.state, self.params
-        choices = [_Choice(i, TextStream(state.detokenizer, params.stop),
-                           ToolCallStream(tool_names=self.tool_names) if self.tool_names is not None else None)
-                   for i in range(params.n)]
-        pump = _EnginePump(state, _engine_errors(stream_tokens(state.engine, self.prompt_ids, params), params))
-        cancelled = False
-        try:
-            async for delta, arrived in pump:
-                choice = _take(choices, delta, params.n, arrived)
-                for event in self._live_events(choice, delta):
-                    yield event
-            self._engine_called = pump.engine_called
-            unfinished = [c.index for c in choices if c.finish is None]
-            if unfinished:
-                raise _contract_broken(f"ended without finishing completion(s) {unfinished}")
-            # The held-back text and calls first (a call's id is given when it is streamed), then the records.
-            tails = [self._tail(c) for c in choices]
-            answers = [self._record(c, pump.waited) for c in choices]
-            for choice, answer, tail in zip(choices, answers, tails, strict=True):
-                for event in tail:
-                    yield event
-                yield Done(answer, self._flush(choice) if self.top_n >= 0 else None)
-        except (GeneratorExit, asyncio.CancelledError):
-            # Stopped from outside: the client went away, or the task was cancelled. Recorded below, unless
-            # every choice had already been recorded.
-            cancelled = any(c.finish is None for c in choices)
-            raise
-        finally:
-            await pump.stop()  # stops the engine's rows when the iteration ended early
-            if cancelled:
+        with self.state.control.answering(self.rollout_id):  # counted until answered (GET /rollouts/{id}/status)
+            state, params = self.state, self.params
+            choices = [_Choice(i, TextStream(state.detokenizer, params.stop),
+                               ToolCallStream(tool_names=self.tool_names) if self.tool_names is not None else None)
+                       for i in range(params.n)]
+            pump = _EnginePump(state, _engine_errors(stream_tokens(state.engine, self.prompt_ids, params), params))
+            cancelled = False
+            try:
+                async for delta, arrived in pump:
+                    choice = _take(choices, delta, params.n, arrived)
+                    for event in self._live_events(choice, delta):
+                        yield event
                 self._engine_called = pump.engine_called
-                for delta, arrived in pump.left_over():  # sampled but not yet read: the record keeps them
-                    with contextlib.suppress(APIError):  # a broken delta is logged by _take and left out
-                        _take(choices, delta, params.n, arrived)
-                self._record_cancelled(choices, pump.waited)
+                unfinished = [c.index for c in choices if c.finish is None]
+                if unfinished:
+                    raise _contract_broken(f"ended without finishing completion(s) {unfinished}")
+                # The held-back text and calls first (a call's id is given when it is streamed), then the records.
+                tails = [self._tail(c) for c in choices]
+                answers = [self._record(c, pump.waited) for c in choices]
+                for choice, answer, tail in zip(choices, answers, tails, strict=True):
+                    for event in tail:
+                        yield event
+                    yield Done(answer, self._flush(choice) if self.top_n >= 0 else None)
+            except (GeneratorExit, asyncio.CancelledError):
+                # Stopped from outside: the client went away, or the task was cancelled. Recorded below, unless
+                # every choice had already been recorded.
+                cancelled = any(c.finish is None for c in choices)
+                raise
+            finally:
+                await pump.stop()  # stops the engine's rows when the iteration ended early
+                if cancelled:
+                    self._engine_called = pump.engine_called
+                    for delta, arrived in pump.left_over():  # sampled but not yet read: the record keeps them
+                        with contextlib.suppress(APIError):  # a broken delta is logged by _take and left out
+                            _take(choices, delta, params.n, arrived)
+                    self._record_cancelled(choices, pump.waited)
 
     # --- per token ---
 

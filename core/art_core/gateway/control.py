@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Literal
 
 from ..engines.base import Engine
 from ..errors import CheckpointError, LifecycleError
+from ..wire import RolloutStatus
 from .errors import APIError
 
 __all__ = ["GatewayControl"]
@@ -41,6 +43,7 @@ class GatewayControl:
         self._idle = asyncio.Event()  # set when no request is inside the engine
         self._idle.set()
         self._in_flight = 0
+        self._unanswered: Counter[str] = Counter()  # rollout id -> its requests received and not yet answered
         self._state: Literal["serving", "paused", "closed"] = "serving"
 
     @property
@@ -51,6 +54,25 @@ class GatewayControl:
     def in_flight(self) -> int:
         """Requests being generated now."""
         return self._in_flight
+
+    def rollout_status(self, rollout_id: str) -> RolloutStatus:
+        """The rollout's requests received and not answered yet (held while paused, sampled, or being recorded),
+        and the gateway's state."""
+        return RolloutStatus(unanswered=self._unanswered[rollout_id], gateway=self._state)
+
+    @contextmanager
+    def answering(self, rollout_id: str | None) -> Iterator[None]:
+        """Count a request of ``rollout_id`` as unanswered while inside (from its parsed body to its records)."""
+        if rollout_id is None:
+            yield
+            return
+        self._unanswered[rollout_id] += 1
+        try:
+            yield
+        finally:
+            self._unanswered[rollout_id] -= 1
+            if not self._unanswered[rollout_id]:
+                del self._unanswered[rollout_id]
 
     @asynccontextmanager
     async def admitted(self) -> AsyncIterator[float]:

@@ -30,7 +30,7 @@ from .control import GatewayControl
 from .metrics import GatewayMetrics
 from .records import RecordStore
 from .settings import GatewaySettings
-from ..wire import ROLLOUT_ID_PATTERN
+from ..wire import ROLLOUT_ID_PATTERN, RolloutStatus
 
 __all__ = ["Gateway"]
 
@@ -201,6 +201,10 @@ class Gateway:
         if not ROLLOUT_ID_PATTERN.fullmatch(rollout_id) or rollout_id in (".", ".."):
             raise ConfigError(f"rollout id {rollout_id!r} is invalid: use 1-128 letters, digits, '.', '_' or '-'")
         return f"{self.url}/rollouts/{rollout_id}/v1"
+
+    def rollout_status(self, rollout_id: str) -> RolloutStatus:
+        """The rollout's calls received and not answered yet, and the gateway's state (``GET .../status``)."""
+        return self.control.rollout_status(rollout_id)
 
     # --- training handshake ---
 

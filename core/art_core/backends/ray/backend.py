@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..._threads import HELPERS
 from ...config import TrainConfig
 from ...engines.base import SamplingParams
 from ...errors import ConfigError, LifecycleError
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from .._engines import VLLMOptions
     from ...gateway import Gateway
     from ...gateway.records import ExchangeRecord
+    from ...wire import RolloutStatus
     from .replicas import ReplicaRouter
     from .rollouts import RolloutPool, RolloutStats
     from .trainer_group import TrainerGroup
@@ -193,7 +195,7 @@ class RayBackend:
                  vllm=self.vllm.model_dump(mode="json") if self.vllm else None)
             for _ in range(self.inference_replicas)]
         await asyncio.gather(*(r.start.remote() for r in replicas))  # loaded (raises if one failed)
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, base_dir)
+        tokenizer = await HELPERS.run(AutoTokenizer.from_pretrained, base_dir)
         router = ReplicaRouter(replicas, tokenizer, step=step)
         settings = GatewaySettings(model_name=model.name, base_model_name=Path(model.base_model).name,
                                    records_path=model_dir / "records.jsonl", host=self.gateway_host,
@@ -224,6 +226,9 @@ class RayBackend:
 
     def rollout_records(self, model: ModelSpec, rollout_id: str) -> list[ExchangeRecord]:
         return self._slot(model).gateway.records.for_rollout(rollout_id)
+
+    def rollout_status(self, model: ModelSpec, rollout_id: str) -> RolloutStatus:
+        return self._slot(model).gateway.rollout_status(rollout_id)
 
     async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig) -> TrainResult:
         result = await self.train_step(model, groups, config)

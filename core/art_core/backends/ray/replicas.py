@@ -21,6 +21,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from ..._threads import HELPERS
 from ...engines.base import EngineOutput, SamplingParams, check_adapter_path, routing_key
 from ...errors import EngineError
 
@@ -79,7 +80,7 @@ class EngineReplica:
         if self._kind == "vllm":
             self.engine = await self._start_vllm()
         else:
-            await asyncio.to_thread(self._start_transformers)
+            await HELPERS.run(self._start_transformers)
         return int(self.engine.adapter_step)
 
     def _start_transformers(self) -> None:
@@ -107,7 +108,7 @@ class EngineReplica:
 
         base = resolve_base_model(self._base_dir)
         device = "cuda:0" if torch.cuda.is_available() else "cpu"  # Ray set CUDA_VISIBLE_DEVICES to this actor's GPU
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, base)
+        tokenizer = await HELPERS.run(AutoTokenizer.from_pretrained, base)
         spec = ModelSpec(name="replica", project="ray", base_model=str(base),
                          lora=LoraSettings.model_validate(self._lora))
         # The replica has no trainer beside it: vLLM has its device alone and never sleeps.
@@ -160,7 +161,7 @@ class EngineReplica:
                 logps = torch.log_softmax(logits[0, :-1], dim=-1)
                 return logps.gather(1, ids[0, 1:, None])[:, 0].tolist()
 
-        return await asyncio.to_thread(score)
+        return await HELPERS.run(score)
 
     async def aclose(self) -> None:
         if self.engine is not None:

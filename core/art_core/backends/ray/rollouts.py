@@ -24,6 +24,7 @@ from typing import Any
 from ...config import LoraSettings
 from ...errors import ConfigError, LifecycleError
 from ...types import Trajectory, TrajectoryGroup
+from ...wire import RolloutStatus
 from ..base import ModelSpec
 
 __all__ = ["GatewayView", "RolloutPool", "RolloutStats", "RolloutWorker", "import_rollout"]
@@ -82,16 +83,22 @@ class GatewayView:
         return f"{self.url}/rollouts/{rollout_id}/v1"
 
     def rollout_records(self, model: ModelSpec, rollout_id: str) -> list[Any]:
-        import httpx
-
         from ...gateway.records import ExchangeRecord
+
+        return [ExchangeRecord.model_validate(r) for r in self._get(f"/rollouts/{rollout_id}/records").json()]
+
+    def rollout_status(self, model: ModelSpec, rollout_id: str) -> RolloutStatus:
+        return RolloutStatus.model_validate(self._get(f"/rollouts/{rollout_id}/status").json())
+
+    def _get(self, path: str) -> Any:
+        import httpx
 
         headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
         # Sync by contract (the adapters call it from sync code): one pooled round trip per rollout.
         get = self.client.get if self.client is not None else httpx.get
-        response = get(f"{self.url}/rollouts/{rollout_id}/records", headers=headers, timeout=60)
+        response = get(self.url + path, headers=headers, timeout=60)
         response.raise_for_status()
-        return [ExchangeRecord.model_validate(r) for r in response.json()]
+        return response
 
     def model_dir(self, model: ModelSpec) -> Path:
         raise LifecycleError("a rollout worker has no model folder: checkpoints live with the RayBackend's driver")
