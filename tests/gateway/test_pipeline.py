@@ -11,7 +11,7 @@ import asyncio
 import json
 from typing import Any
 
-from fakes import TOOL_REPLY, WEATHER_TOOL, FakeEngine
+from fakes import TOOL_REPLY, WEATHER_TOOL, FakeEngine, post_scope, receive_body
 
 from art_core.engines.base import SamplingParams
 from art_core.gateway import Gateway
@@ -58,21 +58,9 @@ async def test_a_stream_cut_after_its_last_token_keeps_its_record(gateway: Gatew
     and the choice has ended, but its record is written only after the tail. It is recorded, as it ended."""
     last = engine.tokenizer.decode(engine.tokenizer.encode(engine.reply, add_special_tokens=False)[2:3])
     body = json.dumps({"model": "agent", "messages": USER, "max_tokens": 3, "stream": True}).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/rollouts/cut-at-end/v1/chat/completions", "raw_path": b"", "root_path": "",
-             "query_string": b"", "headers": [(b"content-type", b"application/json"),
-                                              (b"content-length", str(len(body)).encode())],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", gateway.port)}
+    scope = post_scope("/rollouts/cut-at-end/v1/chat/completions", body, port=gateway.port)
     last_chunk, gone = asyncio.Event(), asyncio.Event()
-    delivered = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await gone.wait()
-        return {"type": "http.disconnect"}
+    receive = receive_body(body, leave=gone)
 
     async def send(message: dict[str, Any]) -> None:
         if message["type"] == "http.response.body" and json.dumps(last).encode() in message.get("body", b""):
