@@ -97,3 +97,28 @@ def random_delay(low: float = 0.0, high: float = 0.02, seed: int = 0) -> Callabl
     """Seconds to sleep, drawn from a seeded generator."""
     rng = random.Random(seed)
     return lambda: rng.uniform(low, high)
+
+
+def post_scope(path: str, body: bytes, *, port: int) -> dict[str, Any]:
+    """The ASGI scope of ``POST path`` with a JSON ``body``, for tests that call the app with their own
+    ``receive`` and ``send`` (a client that stops reading, or leaves at a chosen chunk)."""
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+            "path": path, "raw_path": b"", "root_path": "", "query_string": b"",
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", port)}
+
+
+def receive_body(body: bytes, *, leave: asyncio.Event | None = None) -> Callable[[], Any]:
+    """An ASGI ``receive`` that delivers ``body`` once, then reports a disconnect when ``leave`` is set
+    (None: the client never leaves)."""
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await (leave or asyncio.Event()).wait()
+        return {"type": "http.disconnect"}
+
+    return receive

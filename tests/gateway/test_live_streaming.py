@@ -19,6 +19,7 @@ import pytest
 import pytest_asyncio
 from agents import Agent, ModelBehaviorError, ModelSettings, RunConfig, Runner
 from agents.models.openai_responses import OpenAIResponsesModel
+from fakes import post_scope, receive_body
 
 from art_core.engines.base import SamplingParams
 from art_core.engines.transformers import TransformersEngine
@@ -170,21 +171,9 @@ async def test_a_client_that_stops_reading_does_not_hold_a_training_pause(gatewa
     the client stops reading and the socket buffers are full (too large to fill reliably over loopback)."""
     body = json.dumps({"model": "agent", "messages": LONG, "max_tokens": 24, "temperature": 0,
                        "stream": True}).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/rollouts/slow-reader/v1/chat/completions", "raw_path": b"", "root_path": "",
-             "query_string": b"", "headers": [(b"content-type", b"application/json"),
-                                              (b"content-length", str(len(body)).encode())],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", gateway.port)}
+    scope = post_scope("/rollouts/slow-reader/v1/chat/completions", body, port=gateway.port)
     first_chunk, reader_back, sent = asyncio.Event(), asyncio.Event(), []
-    delivered = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.Event().wait()  # the client never leaves
-        raise AssertionError("unreachable")
+    receive = receive_body(body)  # the client never leaves
 
     async def send(message: dict[str, Any]) -> None:
         if message["type"] == "http.response.body" and message.get("body"):

@@ -1,7 +1,8 @@
 """``POST /v1/chat/completions``: OpenAI's chat completions API over the completion pipeline.
 
-This module only translates: the request is validated as chat completions and handed to
-``completion.Completion`` (render, sample, parse tool calls, record); its events come back as a
+This module only translates: the request is parsed as chat completions (``parsing``: validated, model
+name and token limit checked) and handed to ``completion.Completion`` (render, sample, parse tool calls,
+record); its events come back as a
 ``ChatCompletion`` object (``schemas.ChatCompletion``), or as ``chat.completion.chunk`` events sent as the tokens are sampled. The
 response is exactly what the client asked for: logprobs only when requested, one choice per ``n``.
 """
@@ -15,8 +16,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from .completion import Answer, Completion, Done, TextDelta, ToolCallDelta, json_body, new_request_id, validate_chat
-from .schemas import TokenLogprob, Usage
+from .completion import Answer, Completion, Done, TextDelta, ToolCallDelta
+from .parsing import chat_max_tokens, check_served, completion_input, json_body, new_request_id, validated
+from .schemas import ChatCompletionRequest, TokenLogprob, Usage
 from .state import call_headers, request_scope, request_seed
 from .streaming import ClientGone, open_stream, sse, until_done
 
@@ -30,21 +32,24 @@ async def chat_completions(request: Request) -> Response:
     """OpenAI's chat completions, served by the engine and recorded token-exactly."""
     state, rollout_id, caller = request_scope(request)  # plain calls, not Depends: see request_scope
     raw = await json_body(request)
-    body = validate_chat(raw)
-    completion = Completion(state, body, raw, endpoint="chat.completions", rollout_id=rollout_id, caller=caller,
-                            request_id=new_request_id("chatcmpl-"), seed=request_seed(request))
+    body = validated(ChatCompletionRequest, raw)
+    max_tokens, param = chat_max_tokens(body)
+    check_served(state, model=body.model, max_tokens=max_tokens, param=param)
+    completion = Completion(state, completion_input(
+        body, raw, state.settings, endpoint="chat.completions", request_id=new_request_id("chatcmpl-"),
+        rollout_id=rollout_id, caller=caller, seed=request_seed(request)))
     try:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return await open_stream(request, completion.events(),
                                      lambda events: _chunks(completion, events, include_usage=include_usage),
-                                     lambda: call_headers(completion.request_id, state.engine.adapter_step,
+                                     lambda: call_headers(completion.input.request_id, state.engine.adapter_step,
                                                           len(completion.prompt_ids), None))
         answers = await until_done(request, completion.answers())
     except ClientGone:
         return Response(status_code=499)  # nginx's "client closed request": nobody reads it
     usage = _usage(completion, answers)
-    headers = call_headers(completion.request_id, answers[0].adapter_step, usage.prompt_tokens, usage.completion_tokens)
+    headers = call_headers(completion.input.request_id, answers[0].adapter_step, usage.prompt_tokens, usage.completion_tokens)
     return Response(_completion_json(completion, answers, usage), media_type="application/json", headers=headers)
 
 
@@ -55,8 +60,8 @@ def _completion_json(completion: Completion, answers: list[Answer], usage: Usage
     models' construction cost more than the rest of the response (benchmark part (c)).
     """
     result = {
-        "id": completion.request_id, "object": "chat.completion", "created": int(completion.created),
-        "model": completion.body.model,
+        "id": completion.input.request_id, "object": "chat.completion", "created": int(completion.created),
+        "model": completion.input.model,
         "choices": [{"index": a.index, "message": _message(a), "finish_reason": a.finish_reason,
                      "logprobs": {"content": [e.model_dump() for e in a.logprobs], "refusal": None}
                      if a.logprobs is not None else None} for a in answers],
@@ -71,8 +76,8 @@ async def _chunks(completion: Completion, events: AsyncIterator[TextDelta | Tool
                   include_usage: bool) -> AsyncIterator[bytes]:
     """The events as ``chat.completion.chunk`` SSE: a role chunk per choice, deltas, a finish chunk per
     choice, the usage chunk (when asked for), then ``[DONE]``."""
-    header = {"id": completion.request_id, "object": "chat.completion.chunk", "created": int(completion.created),
-              "model": completion.body.model, "system_fingerprint": f"adapter-{completion.state.engine.adapter_step}"}
+    header = {"id": completion.input.request_id, "object": "chat.completion.chunk", "created": int(completion.created),
+              "model": completion.input.model, "system_fingerprint": f"adapter-{completion.state.engine.adapter_step}"}
 
     def chunk(index: int, delta: dict[str, Any], logprobs: list[TokenLogprob] | None,
               finish: str | None = None) -> bytes:
@@ -80,7 +85,7 @@ async def _chunks(completion: Completion, events: AsyncIterator[TextDelta | Tool
         return sse({**header, "choices": [{"index": index, "delta": delta, "finish_reason": finish,
                                            "logprobs": entries}]})
 
-    for index in range(completion.params.n):
+    for index in range(completion.input.params.n):
         yield chunk(index, {"role": "assistant", "content": ""}, None)
     answers = []
     async for event in events:

@@ -1,58 +1,80 @@
-"""One completion, from a validated request to the recorded answer: the pipeline both API routes call.
+"""One completion, from a validated call to the recorded answer: the pipeline both API routes call.
 
-    route (chat.py, responses.py): its API's request -> ChatCompletionRequest
-    here:  model name checked -> sampling parameters -> prompt ids (chat template) -> engine.stream
+    route (chat.py, responses.py), with parsing.py: its API's request -> CompletionInput (model name and
+           token limit checked, sampling parameters made)
+    here:  prompt ids (chat template) -> admitted (held while training pauses) -> engine.stream
            -> per token: text (stop strings held back), tool-call blocks (held until they parse) -> events
            -> at the end of every choice: whole text parsed -> records (on disk) -> metrics -> Done events
     route: events -> its API's JSON object or server-sent events
 
 Each token leaves as soon as it is sampled (``Completion.events``); a route that answers with one JSON
-object just collects the events (``Completion.answers``). Either way the records are written, token-exact,
-before the last event goes out. A completion stopped early (the client went away, the task was
-cancelled) is recorded with the tokens sampled so far and ``finish_reason="cancelled"``, and its engine
-rows stop at the next step.
+object gets the answers only (``Completion.answers``). Both read the engine through one loop
+(``Completion._sample``: admission, the engine's contract, its errors) and record the same way. The
+records are written, token-exact, before the last event goes out. A completion stopped early (the client
+went away, the task was cancelled) is recorded with the tokens sampled so far and
+``finish_reason="cancelled"``, and its engine rows stop at the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import math
-import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
-
-from fastapi import Request
-from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
 
 from ..engines.base import SamplingParams, TokenDelta, stream_tokens
 from ..errors import ConstraintError, LifecycleError
 from .errors import APIError
 from .records import ExchangeRecord
-from .schemas import (
-    ChatCompletionRequest,
-    FunctionCallOut,
-    NamedToolChoice,
-    TokenLogprob,
-    ToolCallOut,
-    TopLogprob,
-)
-from .served import check_model
+from .schemas import FunctionCallOut, TokenLogprob, ToolCallOut, TopLogprob
 from .state import GatewayState
 from .tokens import Detokenizer, TextStream, render_prompt
-from .tool_calls import ContentDelta, ToolCallStream, format_tool_call_id, hermes_tool_call_grammar, parse_tool_calls
+from .tool_calls import ContentDelta, ToolCallStream, format_tool_call_id, parse_tool_calls
 
-__all__ = ["Answer", "Completion", "Done", "TextDelta", "ToolCallDelta", "json_body", "logprob_entries",
-           "new_request_id", "sampling_params", "validate_chat"]
+__all__ = ["Answer", "Completion", "CompletionInput", "Done", "Endpoint", "Event", "TextDelta", "ToolCallDelta",
+           "logprob_entries"]
 
 logger = logging.getLogger(__name__)
 
 Endpoint = Literal["chat.completions", "responses"]
+
+
+# --- what the pipeline takes --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionInput:
+    """One call, ready to run: validated, its model name and token limit checked (``parsing.completion_input``).
+
+    The Responses route translates its request into the chat request that means the same before building
+    this, so everything here is in chat completions' terms.
+    """
+
+    endpoint: Endpoint
+    """The API the request came through (kept in the record)."""
+    request_id: str
+    """The response's id (``chatcmpl-...``, ``resp_...``)."""
+    model: str
+    """The model name as requested (echoed back and recorded)."""
+    messages: list[dict[str, Any]]
+    """The conversation as chat messages: what the chat template renders and the record keeps."""
+    tools: list[dict[str, Any]] | None
+    """The chat-format tool schemas the template shows the model; None: none (none sent, or tool_choice "none")."""
+    tool_names: list[str] | None
+    """The functions whose calls are parsed out of the text; None: no parsing (exactly when ``tools`` is None)."""
+    params: SamplingParams
+    """What the engine samples with (``n`` choices, stop strings, constraints...)."""
+    top_logprobs: int
+    """Alternatives per token for the client; -1: the client asked for no logprobs at all."""
+    raw: dict[str, Any]
+    """The body as received (kept in the record)."""
+    rollout_id: str | None
+    """The rollout the call belongs to, if any."""
+    caller: str | None
+    """The ``X-Art-Caller`` label, if any."""
 
 
 # --- what a route gets --------------------------------------------------------------------------------
@@ -110,36 +132,6 @@ class Done:
 Event = TextDelta | ToolCallDelta | Done
 
 
-# --- the request --------------------------------------------------------------------------------------
-
-
-async def json_body(request: Request) -> dict[str, Any]:
-    """The request body as a JSON object.
-
-    Raises:
-        APIError: 400 when it is not valid JSON, or not an object.
-    """
-    body = await request.body()
-    try:
-        data = json.loads(body)
-    except ValueError as exc:
-        raise APIError(
-            400, f"the request body is not valid JSON ({exc}): send a JSON object with Content-Type: application/json",
-            code="invalid_json",
-        ) from exc
-    if not isinstance(data, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
-    return data
-
-
-def validate_chat(raw: dict[str, Any]) -> ChatCompletionRequest:
-    """``raw`` as a chat completions request; the app turns a failure into one 400 naming every bad field."""
-    try:
-        return ChatCompletionRequest.model_validate(raw)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False)) from exc
-
-
 # --- the pipeline -------------------------------------------------------------------------------------
 
 
@@ -162,139 +154,130 @@ class _Choice:
     """Ids of the tool calls already streamed (the record keeps them)."""
     first_token_at: float = 0.0
     last_token_at: float = 0.0
+    recorded: bool = False
+    """Its record is written (a cut call records only the choices that are not)."""
+
+
+OnToken = Callable[[_Choice, TokenDelta], None]
+"""Called with each delta once its choice has taken it (``events`` hands them to the request's task)."""
 
 
 class Completion:
-    """One request's completion: rendered at construction, sampled and recorded by ``events()``/``answers()``.
+    """One call's completion: rendered at construction, sampled and recorded by ``events()``/``answers()``.
 
     Args:
         state: the app's state.
-        body: the request as chat completions (the Responses route translates its request first).
-        raw: the body as received (kept in the record).
-        endpoint: the API the request came through.
-        rollout_id: the rollout it belongs to, if any.
-        caller: the ``X-Art-Caller`` label, if any.
-        seed: the ``X-Art-Seed`` header's seed, used when the body names no ``seed``.
-        request_id: the response's id (``chatcmpl-...``, ``resp_...``).
-        tools: the chat-format tool schemas as sent (default: ``raw["tools"]``).
+        call: the call, validated and checked (``parsing.completion_input`` builds it from a request).
 
     Raises:
-        APIError: the model name, a sampling parameter or the conversation is refused (4xx).
+        APIError: the chat template cannot render the conversation (4xx).
     """
 
-    def __init__(self, state: GatewayState, body: ChatCompletionRequest, raw: dict[str, Any], *, endpoint: Endpoint,
-                 rollout_id: str | None, caller: str | None, request_id: str,
-                 tools: list[dict[str, Any]] | None = None, seed: int | None = None) -> None:
+    def __init__(self, state: GatewayState, call: CompletionInput) -> None:
         self.started = time.perf_counter()
         self.created = time.time()
-        if body.model_extra:
-            logger.debug("ignoring unknown request fields: %s", sorted(body.model_extra))
-        check_model(body.model, state.settings, state.engine.adapter_step)
-        self.state, self.body, self.raw, self.endpoint = state, body, raw, endpoint
-        self.rollout_id, self.caller, self.request_id = rollout_id, caller, request_id
-        self.params = sampling_params(body, state, seed=seed)
-        # The template sees the tools unless tool_choice is "none"; then no calls are parsed either.
-        offered = bool(body.tools) and body.tool_choice != "none"
-        self.tools = (tools if tools is not None else raw["tools"]) if offered else None
-        self.tool_names = [t.function.name for t in body.tools or []] if offered else None
-        self.messages = [m.model_dump(exclude_none=True) for m in body.messages]  # dumped once: template and record
-        self.prompt_ids = render_prompt(state.engine.tokenizer, self.messages, self.tools,
+        self.state, self.input = state, call
+        self.prompt_ids = render_prompt(state.engine.tokenizer, call.messages, call.tools,
                                         encoder=state.prompt_encoder, template=state.chat_template)
-        self.top_n = body.top_logprobs or 0 if body.logprobs else -1  # -1: no logprobs for the client
+        self._waited = 0.0
+        """Seconds the call was held by a training pause."""
+        self._engine_called = 0.0
 
     async def answers(self) -> list[Answer]:
         """Sample every choice to its end and return the answers (records written), in choice order.
 
-        ``events`` without the streamed text and tool calls, as one loop over the engine's tokens in the
-        request's own task: the pump's task and queue and the generator layers every token passes through
-        there (about a quarter of the gateway's own time per call, benchmark part (c)) would add nothing.
-        Records, errors and cancellation are the same.
+        ``events`` without the streamed text and tool calls: the engine is read in the request's own task,
+        as the pump's task and queue and the generator layers every token passes through there (about a
+        quarter of the gateway's own time per call, benchmark part (c)) would add nothing. Records, errors
+        and cancellation are the same.
 
         Raises:
-            APIError: the engine refused the request (400), is unavailable (503) or failed (500).
+            APIError: the gateway closed (503); the engine refused the request (400), is unavailable (503),
+                failed or broke its contract (500).
         """
-        with self.state.control.answering(self.rollout_id):  # counted until answered (GET /rollouts/{id}/status)
-            state, params = self.state, self.params
-            choices = [_Choice(i, None, None) for i in range(params.n)]
-            tokens = stream_tokens(state.engine, self.prompt_ids, params)
-            waited, cancelled = 0.0, False
-            self._engine_called = 0.0
+        with self.state.control.answering(self.input.rollout_id):  # counted until answered (GET .../status)
+            choices = [_Choice(i, None, None) for i in range(self.input.params.n)]
             try:
-                async with state.control.admitted() as waited:
-                    self._engine_called = time.perf_counter()
-                    try:
-                        async for delta in tokens:
-                            _take(choices, delta, params.n, time.perf_counter())
-                    except (APIError, asyncio.CancelledError):
-                        raise
-                    except Exception as exc:
-                        raise _engine_failure(exc, params) from exc
-            except asyncio.CancelledError:
-                # Stopped from outside: the client went away, or the task was cancelled. Recorded below, unless
-                # every choice had already finished.
-                cancelled = any(c.finish is None for c in choices)
+                await self._sample(choices, None)
+            except asyncio.CancelledError:  # the client went away, or the task was cancelled
+                self._record_cut(choices)
                 raise
-            finally:
-                await tokens.aclose()  # type: ignore[attr-defined]  # stops the engine's rows on an early stop
-                if cancelled:
-                    self._record_cancelled(choices, waited)
-            unfinished = [c.index for c in choices if c.finish is None]
-            if unfinished:
-                raise _contract_broken(f"ended without finishing completion(s) {unfinished}")
-            return [self._record(c, waited) for c in choices]
+            return [self._record(c) for c in choices]
 
     async def events(self) -> AsyncIterator[Event]:
         """Sample, yielding each choice's text and tool calls as they come, then a ``Done`` per choice.
 
         The ``Done`` events come after every choice has ended and every record has been written. If the
-        iteration stops early (the reader closed it, or its task was cancelled), each unfinished choice is
-        recorded with the tokens sampled so far and ``finish_reason="cancelled"``.
+        iteration stops early (the reader closed it, or its task was cancelled), each choice not recorded
+        yet is recorded with the tokens sampled so far (``finish_reason="cancelled"`` if it had not ended).
 
         Raises:
-            APIError: the engine refused the request (400), is unavailable (503) or failed (500).
+            APIError: the gateway closed (503); the engine refused the request (400), is unavailable (503),
+                failed or broke its contract (500).
         """
-        with self.state.control.answering(self.rollout_id):  # counted until answered (GET /rollouts/{id}/status)
-            state, params = self.state, self.params
-            choices = [_Choice(i, TextStream(state.detokenizer, params.stop),
-                               ToolCallStream(tool_names=self.tool_names) if self.tool_names is not None else None)
-                       for i in range(params.n)]
-            pump = _EnginePump(state, _engine_errors(stream_tokens(state.engine, self.prompt_ids, params), params))
-            cancelled = False
+        with self.state.control.answering(self.input.rollout_id):  # counted until answered (GET .../status)
+            state, call = self.state, self.input
+            choices = [_Choice(i, TextStream(state.detokenizer, call.params.stop),
+                               ToolCallStream(tool_names=call.tool_names) if call.tool_names is not None else None)
+                       for i in range(call.params.n)]
+            pump = _EnginePump(lambda on_token: self._sample(choices, on_token))
+            cut = False
             try:
-                async for delta, arrived in pump:
-                    choice = _take(choices, delta, params.n, arrived)
+                async for choice, delta in pump:
                     for event in self._live_events(choice, delta):
                         yield event
-                self._engine_called = pump.engine_called
-                unfinished = [c.index for c in choices if c.finish is None]
-                if unfinished:
-                    raise _contract_broken(f"ended without finishing completion(s) {unfinished}")
                 # The held-back text and calls first (a call's id is given when it is streamed), then the records.
                 tails = [self._tail(c) for c in choices]
-                answers = [self._record(c, pump.waited) for c in choices]
+                answers = [self._record(c) for c in choices]
                 for choice, answer, tail in zip(choices, answers, tails, strict=True):
                     for event in tail:
                         yield event
-                    yield Done(answer, self._flush(choice) if self.top_n >= 0 else None)
-            except (GeneratorExit, asyncio.CancelledError):
-                # Stopped from outside: the client went away, or the task was cancelled. Recorded below, unless
-                # every choice had already been recorded.
-                cancelled = any(c.finish is None for c in choices)
+                    yield Done(answer, self._flush(choice) if call.top_logprobs >= 0 else None)
+            except (GeneratorExit, asyncio.CancelledError):  # the client went away, or the task was cancelled
+                cut = True
                 raise
             finally:
                 await pump.stop()  # stops the engine's rows when the iteration ended early
-                if cancelled:
-                    self._engine_called = pump.engine_called
-                    for delta, arrived in pump.left_over():  # sampled but not yet read: the record keeps them
-                        with contextlib.suppress(APIError):  # a broken delta is logged by _take and left out
-                            _take(choices, delta, params.n, arrived)
-                    self._record_cancelled(choices, pump.waited)
+                if cut:
+                    self._record_cut(choices)
+
+    # --- the engine ---
+
+    async def _sample(self, choices: list[_Choice], on_token: OnToken | None) -> None:
+        """Admission, then the engine's tokens into ``choices`` until every choice has ended.
+
+        The one loop both ways of answering run: ``answers`` in the request's task, ``events`` in its
+        pump's task. Every delta must keep the engine's contract (``_take``); the engine's failures become
+        the API's errors; on any early end the engine's stream is closed, which stops its rows.
+
+        Raises:
+            APIError: see ``events``.
+        """
+        state, params = self.state, self.input.params
+        tokens = stream_tokens(state.engine, self.prompt_ids, params)
+        try:
+            async with state.control.admitted() as waited:
+                self._waited, self._engine_called = waited, time.perf_counter()
+                try:
+                    async for delta in tokens:
+                        choice = _take(choices, delta, params.n, time.perf_counter())
+                        if on_token is not None:
+                            on_token(choice, delta)
+                except (APIError, asyncio.CancelledError):
+                    raise
+                except Exception as exc:
+                    raise _engine_failure(exc, params) from exc
+        finally:
+            await tokens.aclose()  # type: ignore[attr-defined]  # stops the engine's rows on an early end
+        unfinished = [c.index for c in choices if c.finish is None]
+        if unfinished:
+            raise _contract_broken(f"ended without finishing completion(s) {unfinished}")
 
     # --- per token ---
 
     def _live_events(self, choice: _Choice, delta: TokenDelta) -> list[Event]:
         assert choice.text is not None
-        if self.top_n >= 0:
+        if self.input.top_logprobs >= 0:
             choice.pending += self._entries(delta.token_ids, delta.logprobs, delta.top_logprobs)
         piece = choice.text.feed(delta.token_ids)
         return self._parsed(choice, piece) if piece else []
@@ -324,7 +307,7 @@ class Completion:
         return out
 
     def _flush(self, choice: _Choice) -> list[TokenLogprob] | None:
-        if self.top_n < 0:
+        if self.input.top_logprobs < 0:
             return None
         entries, choice.pending = choice.pending, []
         return entries
@@ -333,21 +316,22 @@ class Completion:
 
     def _final_text(self, choice: _Choice) -> str:
         text = self.state.detokenizer.decode(choice.token_ids)
-        cuts = [text.find(s) for s in self.params.stop if s in text]
+        cuts = [text.find(s) for s in self.input.params.stop if s in text]
         return text[: min(cuts)] if cuts else text
 
     def _answer(self, choice: _Choice) -> tuple[Answer, int]:
         """The choice's answer, parsed from its whole text; and how many tool-call blocks failed to parse."""
+        call, detokenizer = self.input, self.state.detokenizer
         text = self._final_text(choice)
         finish = choice.finish or "cancelled"
         # The engine should stop on stop strings itself; cutting keeps OpenAI's contract if it did not.
-        if finish != "cancelled" and any(s in self.state.detokenizer.decode(choice.token_ids) for s in self.params.stop):
+        if finish != "cancelled" and any(s in detokenizer.decode(choice.token_ids) for s in call.params.stop):
             finish = "stop"
         content: str | None = text
         calls: list[ToolCallOut] = []
         errors = 0
-        if self.tool_names is not None:
-            parsed = parse_tool_calls(text, tool_names=self.tool_names)
+        if call.tool_names is not None:
+            parsed = parse_tool_calls(text, tool_names=call.tool_names)
             content, errors = parsed.content, parsed.parse_errors
             ids = choice.call_ids + [format_tool_call_id() for _ in parsed.tool_calls[len(choice.call_ids):]]
             calls = [ToolCallOut(id=call_id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
@@ -355,27 +339,27 @@ class Completion:
             if calls and finish == "stop":  # a cut-off completion still says "length"
                 finish = "tool_calls"
         logprobs = (self._entries(choice.token_ids, choice.logprobs, choice.top or None)
-                    if self.top_n >= 0 else None)
+                    if call.top_logprobs >= 0 else None)
         return Answer(choice.index, content, calls, finish, logprobs, len(choice.token_ids), choice.adapter_step), errors
 
-    def _record(self, choice: _Choice, waited: float) -> Answer:
+    def _record(self, choice: _Choice) -> Answer:
         """Write the choice's record (flushed to disk) and count it; returns its answer."""
         answer, errors = self._answer(choice)
         reply: dict[str, Any] = {"role": "assistant", "content": answer.content}
         if answer.tool_calls:
             reply["tool_calls"] = [c.model_dump() for c in answer.tool_calls]
-        state = self.state
+        state, call = self.state, self.input
         # Constructed without validating again: every value was made and typed by the pipeline (validation
         # would also deep-copy the request and messages, per call).
         state.records.add(ExchangeRecord.model_construct(
-            request_id=self.request_id, choice_index=choice.index, rollout_id=self.rollout_id, created=self.created,
-            endpoint=self.endpoint, model=self.body.model, adapter_step=choice.adapter_step, request=self.raw,
+            request_id=call.request_id, choice_index=choice.index, rollout_id=call.rollout_id, created=self.created,
+            endpoint=call.endpoint, model=call.model, adapter_step=choice.adapter_step, request=call.raw,
             prompt_token_ids=self.prompt_ids, completion_token_ids=list(choice.token_ids),
-            logprobs=list(choice.logprobs), finish_reason=answer.finish_reason,
-            timings=self._timings(choice, waited),
-            messages=self.messages, tools=self.tools or [], reply={k: v for k, v in reply.items() if v is not None},
-            caller=self.caller,
+            logprobs=list(choice.logprobs), finish_reason=answer.finish_reason, timings=self._timings(choice),
+            messages=call.messages, tools=call.tools or [], reply={k: v for k, v in reply.items() if v is not None},
+            caller=call.caller,
         ))
+        choice.recorded = True
         metrics = state.metrics
         metrics.records_written += 1
         metrics.completion_tokens += len(choice.token_ids)
@@ -386,75 +370,29 @@ class Completion:
             metrics.prompt_tokens += len(self.prompt_ids)
         return answer
 
-    def _timings(self, choice: _Choice, waited: float) -> dict[str, float]:
+    def _timings(self, choice: _Choice) -> dict[str, float]:
         now = time.perf_counter()
         first = choice.first_token_at or now
-        return {"wait": waited, "queue": max(first - (self._engine_called or first), 0.0),
+        return {"wait": self._waited, "queue": max(first - (self._engine_called or first), 0.0),
                 "generate": (choice.last_token_at or first) - first, "total": now - self.started}
 
-    def _record_cancelled(self, choices: list[_Choice], waited: float) -> None:
-        """The request stopped early: every choice is recorded as it stands (never dropped silently)."""
-        for choice in choices:
+    def _record_cut(self, choices: list[_Choice]) -> None:
+        """The call stopped early: every choice not recorded yet is, as it stands (never dropped silently)."""
+        left = [c for c in choices if not c.recorded]
+        if any(c.finish is None for c in left):
+            self.state.metrics.completions_cancelled += 1
+            logger.info("request %s (rollout %s) stopped early; recorded with the tokens sampled so far (%s)",
+                        self.input.request_id, self.input.rollout_id, [len(c.token_ids) for c in choices])
+        for choice in left:
             choice.finish = choice.finish or "cancelled"
-        self.state.metrics.completions_cancelled += 1
-        logger.info("request %s (rollout %s) stopped early; recorded with the tokens sampled so far (%s)",
-                    self.request_id, self.rollout_id, [len(c.token_ids) for c in choices])
-        for choice in choices:
             try:
-                self._record(choice, waited)
+                self._record(choice)
             except Exception:  # the record is the point: say loudly that it could not be written
-                logger.exception("could not record cancelled choice %d of %s", choice.index, self.request_id)
+                logger.exception("could not record cancelled choice %d of %s", choice.index, self.input.request_id)
 
     def _entries(self, token_ids: list[int], logprobs: list[float],
                  top: list[dict[int, float]] | None) -> list[TokenLogprob]:
-        return logprob_entries(token_ids, logprobs, top, self.state.detokenizer, max(self.top_n, 0))
-
-
-def sampling_params(body: ChatCompletionRequest, state: GatewayState, *, seed: int | None = None) -> SamplingParams:
-    """The engine's sampling parameters for a chat request.
-
-    Args:
-        body: the request.
-        state: the app's state (token limits).
-        seed: the seed to sample with when the body names none (the ``X-Art-Seed`` header).
-
-    Raises:
-        APIError: 400 for a token limit above the gateway's, or ``tool_choice`` combined with ``response_format``.
-    """
-    limit = state.settings.max_tokens_limit
-    asked, name = (body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens else (
-        body.max_tokens, "max_tokens")
-    if asked is not None and asked > limit:
-        raise APIError(
-            400, f"{name} is {asked}, above this gateway's limit of {limit}: ask for at most {limit}",
-            param=name, code="max_tokens_too_large",
-        )
-    json_schema, grammar = None, None
-    if body.tools and (body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice)):
-        if body.response_format is not None and body.response_format.type != "text":
-            raise APIError(400, "tool_choice 'required' or a named function cannot be combined with response_format "
-                           f"{body.response_format.type!r}: the reply is a tool call; drop one of the two",
-                           param="tool_choice", code="invalid_request")
-        # Enforced by constrained decoding: the completion is Hermes tool-call blocks, as the template teaches.
-        tools = [(t.function.name, t.function.parameters) for t in body.tools]
-        if isinstance(body.tool_choice, NamedToolChoice):
-            tools = [t for t in tools if t[0] == body.tool_choice.function.name]
-        grammar = hermes_tool_call_grammar(tools, multiple=body.tool_choice == "required")
-    elif body.response_format is not None and body.response_format.type == "json_object":
-        json_schema = {"type": "object"}  # "any JSON object": engines that constrain output get the same rule
-    elif body.response_format is not None and body.response_format.json_schema is not None:
-        json_schema = body.response_format.json_schema.schema_
-    return SamplingParams(
-        max_tokens=asked if asked is not None else min(state.settings.default_max_tokens, limit),
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        stop=body.stop_strings(),
-        seed=body.seed if body.seed is not None else seed,
-        n=body.n or 1,
-        top_logprobs=body.top_logprobs or 0,
-        json_schema=json_schema,
-        grammar=grammar,
-    )
+        return logprob_entries(token_ids, logprobs, top, self.state.detokenizer, max(self.input.top_logprobs, 0))
 
 
 def logprob_entries(token_ids: list[int], logprobs: list[float], top: list[dict[int, float]] | None,
@@ -476,61 +414,44 @@ def logprob_entries(token_ids: list[int], logprobs: list[float], top: list[dict[
 
 
 class _EnginePump:
-    """Reads the engine's tokens in a task of its own, so the request leaves the engine (and stops counting
-    in flight) when generation ends, not when a slow client has read the last chunk: a slow reader cannot hold
-    a training pause. Iterate it for ``(delta, arrival time)``; engine errors are raised there.
+    """Runs ``Completion._sample`` for ``events`` in a task of its own, so the request leaves the engine (and
+    stops counting in flight) when generation ends, not when a slow client has read the last chunk: a slow
+    reader cannot hold a training pause. Iterate it for each ``(choice, delta)`` as its choice takes it; the
+    sampling's errors are raised there.
     """
 
     _END = object()
 
-    def __init__(self, state: GatewayState, tokens: AsyncIterator[TokenDelta]) -> None:
-        self.waited = 0.0
-        """Seconds the request was held by a training pause."""
-        self.engine_called = 0.0
+    def __init__(self, sample: Callable[[OnToken], Awaitable[None]]) -> None:
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._tokens = tokens
-        self._task = asyncio.create_task(self._run(state))
+        self._task = asyncio.create_task(self._run(sample))
 
-    async def _run(self, state: GatewayState) -> None:
+    async def _run(self, sample: Callable[[OnToken], Awaitable[None]]) -> None:
         try:
-            async with state.control.admitted() as self.waited:
-                self.engine_called = time.perf_counter()
-                async for delta in self._tokens:
-                    self._queue.put_nowait((delta, time.perf_counter()))
+            await sample(lambda choice, delta: self._queue.put_nowait((choice, delta)))
             self._queue.put_nowait(self._END)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # handed to the reader, which raises it in the request's task
             self._queue.put_nowait(exc)
-        finally:
-            await self._tokens.aclose()  # type: ignore[attr-defined]
 
     def __aiter__(self) -> _EnginePump:
         return self
 
-    async def __anext__(self) -> tuple[TokenDelta, float]:
+    async def __anext__(self) -> tuple[_Choice, TokenDelta]:
         item = await self._queue.get()
         if item is self._END:
             raise StopAsyncIteration
         if isinstance(item, BaseException):
             raise item
-        delta_at: tuple[TokenDelta, float] = item
-        return delta_at
+        taken: tuple[_Choice, TokenDelta] = item
+        return taken
 
     async def stop(self) -> None:
         """Cancel the engine's side if it is still running, and wait until its rows are released."""
         if not self._task.done():
             self._task.cancel()
             await asyncio.wait([self._task])
-
-    def left_over(self) -> list[tuple[TokenDelta, float]]:
-        """The tokens sampled but not yet read (after ``stop``)."""
-        items = []
-        while not self._queue.empty():
-            item = self._queue.get_nowait()
-            if isinstance(item, tuple):
-                items.append(item)
-        return items
 
 
 # --- helpers ------------------------------------------------------------------------------------------
@@ -562,19 +483,6 @@ def _contract_broken(problem: str) -> APIError:
     return APIError(500, f"the engine {problem}", code="engine_error")
 
 
-async def _engine_errors(tokens: AsyncIterator[TokenDelta], params: SamplingParams) -> AsyncIterator[TokenDelta]:
-    """The engine's tokens, its failures mapped to the API's errors (400, 503, 500)."""
-    try:
-        async for delta in tokens:
-            yield delta
-    except (APIError, GeneratorExit, asyncio.CancelledError):
-        raise
-    except Exception as exc:
-        raise _engine_failure(exc, params) from exc
-    finally:
-        await tokens.aclose()  # type: ignore[attr-defined]
-
-
 def _engine_failure(exc: Exception, params: SamplingParams) -> APIError:
     """The API's error for an engine failure: 400 (a schema it cannot enforce), 503 (unavailable) or 500."""
     if isinstance(exc, ConstraintError):
@@ -594,8 +502,3 @@ def _text(token_id: int, detokenizer: Detokenizer) -> str:
 def _finite(logprob: float) -> float:
     # JSON has no -Infinity; OpenAI reports "practically impossible" as -9999.0. Records keep the raw value.
     return logprob if math.isfinite(logprob) else -9999.0
-
-
-def new_request_id(prefix: str) -> str:
-    """A fresh response id: ``prefix`` and 32 random hex digits."""
-    return prefix + os.urandom(16).hex()  # as random as uuid4().hex, without building a UUID

@@ -36,14 +36,13 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .completion import Answer, Completion, Done, TextDelta, ToolCallDelta, json_body, new_request_id, validate_chat
+from .completion import Answer, Completion, Done, TextDelta, ToolCallDelta
 from .errors import APIError
+from .parsing import check_served, completion_input, json_body, new_request_id, validated
 from .schemas import ChatCompletionRequest, FunctionDefinition, JsonSchemaFormat, TokenLogprob
-from .served import check_model
 from .state import call_headers, request_scope, request_seed
 from .streaming import ClientGone, open_stream, sse, until_done
 
@@ -265,24 +264,19 @@ async def create_response(request: Request) -> Response:
     body, items = _validate(raw)
     if body.model_extra:
         logger.debug("ignoring unknown or unused request fields: %s", sorted(body.model_extra))
-    check_model(body.model, state.settings, state.engine.adapter_step)
-    limit = state.settings.max_tokens_limit
-    if body.max_output_tokens is not None and body.max_output_tokens > limit:
-        raise APIError(
-            400, f"max_output_tokens is {body.max_output_tokens}, above this gateway's limit of {limit}: ask for at "
-            f"most {limit}", param="max_output_tokens", code="max_tokens_too_large",
-        )
+    check_served(state, model=body.model, max_tokens=body.max_output_tokens, param="max_output_tokens")
     # --- the equivalent chat request; from here on the pipeline does the work ---
     chat_tools = [{"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
                   for tool in raw.get("tools") or []]
     chat = _as_chat_request(body, _chat_messages(body.instructions, items), chat_tools)
-    completion = Completion(state, chat, raw, endpoint="responses", rollout_id=rollout_id, caller=caller,
-                            request_id=new_request_id("resp_"), tools=chat_tools, seed=request_seed(request))
+    completion = Completion(state, completion_input(
+        chat, raw, state.settings, endpoint="responses", request_id=new_request_id("resp_"), rollout_id=rollout_id,
+        caller=caller, seed=request_seed(request), tools=chat_tools))
     try:
         if body.stream:
             return await open_stream(request, completion.events(),
                                      lambda events: _sse_events(body, raw, completion, events),
-                                     lambda: call_headers(completion.request_id, state.engine.adapter_step,
+                                     lambda: call_headers(completion.input.request_id, state.engine.adapter_step,
                                                           len(completion.prompt_ids), None))
         (answer,) = await until_done(request, completion.answers())
     except ClientGone:
@@ -291,7 +285,7 @@ async def create_response(request: Request) -> Response:
     if answer.content is not None:  # None only when the model called tools and wrote no text
         output.append(_message(answer, f"msg_{uuid.uuid4().hex}"))
     output += [_function_call(call) for call in answer.tool_calls]
-    headers = call_headers(completion.request_id, answer.adapter_step, len(completion.prompt_ids),
+    headers = call_headers(completion.input.request_id, answer.adapter_step, len(completion.prompt_ids),
                            answer.completion_tokens)
     return JSONResponse(_response_object(body, raw, completion, answer, output).model_dump(mode="json"),
                         headers=headers)
@@ -315,10 +309,7 @@ def _refuse_unsupported(raw: dict[str, Any]) -> None:
 
 def _validate(raw: dict[str, Any]) -> tuple[ResponsesRequest, list[InputItem]]:
     """The request and its ``input`` as typed items (a string is one user message)."""
-    try:
-        body = ResponsesRequest.model_validate(raw)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False)) from exc  # one 400 naming every bad field
+    body = validated(ResponsesRequest, raw)  # one 400 naming every bad field
     if isinstance(body.input, str):
         return body, [MessageItem(role="user", content=body.input)]
     if not body.input:
@@ -342,11 +333,7 @@ def _input_item(index: int, item: Any) -> InputItem:
             "(a message may leave out type but needs a role)", param=f"input[{index}].type",
             code="unsupported_item_type",
         )
-    try:
-        return _ITEM_MODELS[kind].model_validate(item)
-    except ValidationError as exc:
-        errors = [{**e, "loc": ("body", "input", index, *e["loc"])} for e in exc.errors(include_url=False)]
-        raise RequestValidationError(errors) from exc
+    return validated(_ITEM_MODELS[kind], item, at=("body", "input", index))
 
 
 def _chat_messages(instructions: str | None, items: list[InputItem]) -> list[dict[str, Any]]:
@@ -392,7 +379,7 @@ def _as_chat_request(
     choice = body.tool_choice
     fmt = body.text.format if body.text is not None else None
     logprobs = _LOGPROBS in (body.include or ())
-    return validate_chat({
+    return validated(ChatCompletionRequest, {
         "model": body.model,
         "messages": messages,
         "tools": tools or None,
@@ -418,9 +405,9 @@ def _response_object(body: ResponsesRequest, raw: dict[str, Any], completion: Co
         usage = ResponseUsage(input_tokens=prompt_tokens, output_tokens=answer.completion_tokens,
                               total_tokens=prompt_tokens + answer.completion_tokens)
     text = raw.get("text") or {}
-    params = completion.params
+    params = completion.input.params
     return ResponseObject(
-        id=completion.request_id, created_at=int(completion.created),
+        id=completion.input.request_id, created_at=int(completion.created),
         status="in_progress" if answer is None else "incomplete" if incomplete else "completed",
         incomplete_details={"reason": "max_output_tokens"} if incomplete else None, model=body.model, output=output,
         usage=usage, instructions=body.instructions, metadata=body.metadata or {}, tools=raw.get("tools") or [],

@@ -1,6 +1,6 @@
 """The chat completions API's request and response bodies, as typed models.
 
-Requests accept unknown fields (clients send many: ``user``, ``metadata``, ``store``...); ``chat.py``
+Requests accept unknown fields (clients send many: ``user``, ``metadata``, ``store``...); ``parsing.py``
 logs their names at debug level and otherwise ignores them. Known fields are checked strictly, and a
 failed check names the field (``messages[2].role``).
 """
