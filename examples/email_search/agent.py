@@ -9,9 +9,9 @@ when the model calls ``return_answer``:
 - ``read_email(id)``: the whole email;
 - ``return_answer(answer, source_id)``: the final answer and the id of the email it came from.
 
-Sized for a 135M model: every turn must be a tool call (``tool_choice``), the first one a search and the
-last allowed one (``MAX_TURNS``) an answer; the system prompt is one sentence, and one worked exchange
-shows the whole search -> read -> answer path.
+Sized for a 135M model: every turn must be a tool call (``tool_choice``): a search, a read, then a free
+choice, and the fourth and last an answer (``TURN_CHOICES``); closed schemas with length limits keep the
+arguments short; the system prompt is one sentence, and one worked exchange shows the whole path.
 
 Reward, with partial credit so that a GRPO group of the base model's runs differs:
 
@@ -32,10 +32,12 @@ from typing import Annotated, Any, TypedDict
 
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import BaseTool, tool
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_openai import ChatOpenAI
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import add_messages
 from langgraph.prebuilt import ToolNode
+from pydantic import Field
 
 from art_core import Trajectory
 
@@ -46,9 +48,12 @@ __all__ = ["MAX_TURNS", "MODEL_NAME", "build_graph", "grade", "make_tools", "rew
 MODEL_NAME = "email-agent"
 """The name the graph's chat model asks for; the trainable model is registered under it."""
 MAX_TURNS = 4
-"""Model calls per run: search, read, answer, and one spare (a second search or read)."""
+"""Model calls per run: search, read, a free choice (answer, or search or read again), answer."""
 MAX_ANSWER_WORDS = 8
 """A longer "answer" (e.g. the whole email pasted back) does not count as right."""
+TURN_CHOICES = ["search_inbox", "read_email", "required", "return_answer"]
+"""``tool_choice`` per turn: the small model wanders off the path otherwise (probed: a second search instead
+of a read, or a 48-token ramble in an argument), so the path is fixed and the arguments are the model's."""
 
 SYSTEM = "Find the answer in the inbox: search, read the best email, then return_answer with its id."
 # One worked exchange (a colleague and ids that are not in the mailbox) shows the small model every step.
@@ -65,12 +70,19 @@ EXAMPLE = [
 ]
 
 
+_DATE = r"^\d{4}-\d{2}-\d{2}$"
+
+
 def make_tools(mailbox: Mailbox) -> list[BaseTool]:
     """The agent's three tools over ``mailbox``."""
 
+    # Length limits and the date pattern go into the schema, so the server's constrained decoding keeps every
+    # argument short: unconstrained, the 135M model filled its 48 tokens with a rambling keyword string.
     @tool
-    def search_inbox(keywords: str, sender: str | None = None, after: str | None = None,
-                     before: str | None = None) -> str:
+    def search_inbox(keywords: Annotated[str, Field(max_length=40)],
+                     sender: Annotated[str, Field(max_length=20)] | None = None,
+                     after: Annotated[str, Field(pattern=_DATE)] | None = None,
+                     before: Annotated[str, Field(pattern=_DATE)] | None = None) -> str:
         """Search the inbox. keywords: words to look for; sender: part of a sender's name; after/before:
         dates like 2026-03-01. Returns up to 3 lines: id | date | sender | subject."""
         try:
@@ -89,11 +101,23 @@ def make_tools(mailbox: Mailbox) -> list[BaseTool]:
         return f"From: {email.sender.split(' <')[0]}\nDate: {email.date}\nSubject: {email.subject}\n\n{email.body}"
 
     @tool
-    def return_answer(answer: str, source_id: int) -> str:
+    def return_answer(answer: Annotated[str, Field(max_length=30)], source_id: int) -> str:
         """Give the final answer (a few words) and the id of the email it comes from."""
         return "Answer recorded."
 
     return [search_inbox, read_email, return_answer]
+
+
+def closed_schema(tool: BaseTool) -> dict[str, Any]:
+    """The tool's OpenAI schema with ``additionalProperties: false``: no arguments beyond its own.
+
+    langchain adds that only with ``strict=True``, which also makes every optional argument required; the
+    135M model, made to write ``sender``, ``after`` and ``before`` on every search, filled them with made-up
+    names and dates that filtered out every email (probed), and ran past its tokens.
+    """
+    schema = convert_to_openai_tool(tool)
+    schema["function"]["parameters"]["additionalProperties"] = False
+    return schema
 
 
 class State(TypedDict):
@@ -101,26 +125,24 @@ class State(TypedDict):
 
 
 def build_graph(mailbox: Mailbox, *, base_url: str = "http://127.0.0.1:9/v1", temperature: float = 1.0,
-                max_tokens: int = 48) -> Any:
+                max_tokens: int = 64) -> Any:
     """The compiled graph: ``agent`` (chat model with tools) <-> ``tools`` (ToolNode), until ``return_answer``.
 
     Args:
         mailbox: the inbox the tools search.
         base_url: the app's own OpenAI endpoint; during rollouts the calls go to the gateway instead.
         temperature: sampling temperature of the agent's model (1.0 explores, for training).
-        max_tokens: per model call; a tool call with its arguments fits in about 30.
+        max_tokens: per model call; the longest call (a search with its four arguments) fits in about 50.
     """
     tools = make_tools(mailbox)
     llm = ChatOpenAI(model=MODEL_NAME, base_url=base_url, api_key="unused", temperature=temperature)
-    # Every turn is a tool call (the server constrains the reply to one); the first must be a search and the
-    # last an answer, so that every run searches and every run ends with an answer to score.
-    first = llm.bind_tools(tools, tool_choice="search_inbox", max_tokens=max_tokens)
-    middle = llm.bind_tools(tools, tool_choice="required", max_tokens=max_tokens)
-    last = llm.bind_tools(tools, tool_choice="return_answer", max_tokens=max_tokens)
+    # Every turn is a tool call (the server constrains the reply to one, and closed schemas forbid invented
+    # arguments); TURN_CHOICES says which tool, or "required" (any of them).
+    schemas = [closed_schema(t) for t in tools]
+    chats = [llm.bind_tools(schemas, tool_choice=choice, max_tokens=max_tokens) for choice in TURN_CHOICES]
 
     async def agent(state: State) -> dict[str, Any]:
-        turn = sum(isinstance(m, AIMessage) for m in state["messages"])
-        chat = first if turn == 0 else last if turn == MAX_TURNS - 1 else middle
+        chat = chats[sum(isinstance(m, AIMessage) for m in state["messages"])]
         return {"messages": [await chat.ainvoke([SystemMessage(SYSTEM), *EXAMPLE, *state["messages"]])]}
 
     def after_agent(state: State) -> str:

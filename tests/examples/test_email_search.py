@@ -6,6 +6,7 @@ The end-to-end run (graph -> real adapter -> gateway -> one GRPO step) is in ``t
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 
 from art_core import Trajectory
@@ -52,13 +53,26 @@ def test_search_ranks_the_source_first_and_filters(mailbox):
     assert later == "No emails found."
     window = search.invoke({"keywords": keywords, "after": source.date, "before": "2027-01-01"})
     assert window.splitlines()[0].startswith(f"id {source.id} |")
-    assert search.invoke({"keywords": keywords, "after": "March 1"}).startswith("Error: after must be a date")
+    with pytest.raises(ValidationError, match="pattern"):  # the schema the model sees already forbids it
+        search.invoke({"keywords": keywords, "after": "March 1"})
+    with pytest.raises(ValueError, match="after must be a date like 2026-03-01"):
+        mailbox.search(keywords, after="March 1")
     assert search.invoke({"keywords": "?!"}).startswith("Error: keywords must contain")
     # FTS5 syntax in the keywords is searched as plain words, not parsed
     assert search.invoke({"keywords": 'offsite" OR NEAR(x'}).startswith("id ")
     text = read.invoke({"id": source.id})
     assert question.answer in text and text.startswith(f"From: {source.sender.split(' <')[0]}\n")
     assert read.invoke({"id": 99_999}) == "No email with id 99999."
+
+
+def test_tool_schemas_are_closed_and_short(mailbox):
+    from examples.email_search.agent import closed_schema
+
+    search, read, answer = (closed_schema(t)["function"]["parameters"] for t in make_tools(mailbox))
+    assert search["additionalProperties"] is False and search["required"] == ["keywords"]
+    assert search["properties"]["keywords"]["maxLength"] == 40
+    assert answer["required"] == ["answer", "source_id"] and answer["properties"]["source_id"]["type"] == "integer"
+    assert read["properties"]["id"]["type"] == "integer"
 
 
 def test_right_answer_matches_words_in_a_short_answer():
