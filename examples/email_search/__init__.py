@@ -29,7 +29,7 @@ from .mailbox import Mailbox, Question
 __all__ = ["DEFAULTS", "RUBRIC", "main", "run", "split_questions"]
 
 DEFAULTS = ExampleSettings(steps=8, groups=2, rollouts=6, held_out=16, eval_rollouts=2, learning_rate=2e-3)
-"""Sized for 2 CPU cores: a run is up to 4 model calls; about 1 minute per step on the embedded model."""
+"""Sized for 2 CPU cores: a run is 3-4 model calls; about 1.5-2 minutes per step on the embedded model."""
 
 RUBRIC = ("The agent must answer a question about the user's inbox with a short answer and the id of the email "
           "that contains it. A correct answer that cites the email it came from is best; an answer without the "

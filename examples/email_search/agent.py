@@ -53,7 +53,7 @@ MAX_ANSWER_WORDS = 8
 """A longer "answer" (e.g. the whole email pasted back) does not count as right."""
 TURN_CHOICES = ["search_inbox", "read_email", "required", "return_answer"]
 """``tool_choice`` per turn: the small model wanders off the path otherwise (probed: a second search instead
-of a read, or a 48-token ramble in an argument), so the path is fixed and the arguments are the model's."""
+of a read), so the path is fixed and the arguments are the model's."""
 
 SYSTEM = "Find the answer in the inbox: search, read the best email, then return_answer with its id."
 # One worked exchange (a colleague and ids that are not in the mailbox) shows the small model every step.
