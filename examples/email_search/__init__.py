@@ -79,14 +79,12 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
             return await agent.group(task_input(question), n=n, reward=reward(question), seed=seed)
 
         async with judge_endpoint(settings) as judge:
-            play = measure
-            if settings.judge:
-                async def play(question: Question, n: int, seed: int) -> TrajectoryGroup:  # type: ignore[misc]
-                    group = await measure(question, n, seed)
-                    scored = await ruler_score_group(group, rubric=RUBRIC, seed=seed, swallow_exceptions=True,
-                                                     **judge)
-                    return scored if scored is not None else group  # a failed judge call keeps the hand reward
+            async def judged(question: Question, n: int, seed: int) -> TrajectoryGroup:
+                group = await measure(question, n, seed)
+                scored = await ruler_score_group(group, rubric=RUBRIC, seed=seed, swallow_exceptions=True, **judge)
+                return scored if scored is not None else group  # a failed judge call keeps the hand reward
 
+            play = judged if settings.judge else measure
             source = f"RULER (judge {settings.judge!r})" if settings.judge else "the hand-written reward"
             console.print(f"[bold]email_search[/]: a LangGraph email agent on {settings.base_model}, "
                           f"{mailbox.size} emails, trained on {source}; "
