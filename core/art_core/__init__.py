@@ -5,7 +5,7 @@ Importing this package does not import torch: the training stack loads when a ba
 
 from typing import TYPE_CHECKING, Any
 
-from .backends import Backend, LocalBackend, ModelSpec, RayBackend, TrainResult, TransformersOptions, VLLMOptions
+from .backends import Backend, GatewayAccess, LocalBackend, ModelSpec, RayBackend, TrainResult, TransformersOptions, VLLMOptions
 from .config import LoraSettings, TrainConfig
 from .errors import (
     ArtError,
@@ -14,6 +14,7 @@ from .errors import (
     ConfigError,
     JudgeError,
     LifecycleError,
+    ModelNotRegisteredError,
     RewardError,
     ServerError,
     ServerUnavailableError,
@@ -45,6 +46,7 @@ __all__ = [
     "CallRecord",
     "CheckpointError",
     "ConfigError",
+    "GatewayAccess",
     "History",
     "JudgeError",
     "JudgeUsage",
@@ -52,6 +54,7 @@ __all__ = [
     "LocalBackend",
     "LoraSettings",
     "Message",
+    "ModelNotRegisteredError",
     "ModelSpec",
     "RayBackend",
     "RemoteBackend",
