@@ -25,8 +25,12 @@ T = TypeVar("T")
 class RouteGate:
     """ASGI middleware that holds requests whose path ends with ``suffix`` until ``open()`` (thread-safe).
 
-    ``requested`` is set when the first such request arrives, so a test knows it is being held.
+    ``requested`` is set when the first such request arrives, so a test knows it is being held. A held request
+    goes on by itself after ``HOLD_AT_MOST`` seconds: a client that blocks its own loop while waiting (so that
+    the test cannot open the gate) then fails its test instead of hanging it.
     """
+
+    HOLD_AT_MOST = 60.0
 
     def __init__(self, app: Any, suffix: str) -> None:
         self.app, self.suffix = app, suffix
@@ -44,7 +48,7 @@ class RouteGate:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"].endswith(self.suffix) and not self._open.is_set():
             self.requested.set()
-            await asyncio.to_thread(self._open.wait)  # the server's loop keeps serving meanwhile
+            await asyncio.to_thread(self._open.wait, self.HOLD_AT_MOST)  # the server's loop serves on meanwhile
         await self.app(scope, receive, send)
 
 
