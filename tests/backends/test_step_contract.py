@@ -92,6 +92,7 @@ async def _until(condition: Callable[[], bool]) -> None:
 
 @dataclass
 class Served:
+    kind: str
     model: TrainableModel
     runner: StepRunner
     """The model's step runner (on the server, for Remote)."""
@@ -103,14 +104,14 @@ async def served(request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path:
     if request.param == "local":
         async with LocalBackend(path=tmp_path, show_progress=False) as backend:
             await model.register(backend)
-            yield Served(model, backend._models.get(model.spec).steps)
+            yield Served(request.param, model, backend._models.get(model.spec).steps)
     elif request.param == "remote":
         from art_core.backends.remote import RemoteBackend
 
         with server_in_thread(tmp_path / "server") as server:
             async with RemoteBackend(server.url, show_progress=False) as backend:
                 await model.register(backend)
-                yield Served(model, server.backend._models.get(model.spec).steps)
+                yield Served(request.param, model, server.backend._models.get(model.spec).steps)
     else:
         pytest.importorskip("ray", reason="needs art-core[distributed]")
         from art_core.backends.ray import RayBackend
@@ -121,7 +122,7 @@ async def served(request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path:
         async with RayBackend(path=tmp_path, num_threads=1, rollout_workers=1,
                               runtime_env={"env_vars": env}) as backend:
             await model.register(backend)
-            yield Served(model, backend._models.get(model.spec).steps)
+            yield Served(request.param, model, backend._models.get(model.spec).steps)
 
 
 async def test_concurrent_train_calls_run_one_after_the_other(served: Served) -> None:
@@ -171,3 +172,14 @@ async def test_sample_during_a_step_waits_and_answers_with_the_new_checkpoint(se
     await training
     (sampled,) = await sampling
     assert model.step == 1 and sampled.calls[0].adapter_step == 1
+
+
+async def test_dropped_groups_are_reported_at_the_callers_line(served: Served) -> None:
+    from art_core.training.trainer import ZeroVarianceGroupsWarning
+
+    if served.kind == "remote":
+        pytest.skip("the step runs on the server: the warning is the server's")
+    flat = TrajectoryGroup(Trajectory(calls=_group(5).trajectories[i].calls, reward=1.0) for i in range(4))
+    with pytest.warns(ZeroVarianceGroupsWarning, match=r"1 of 2 group\(s\) .* \(indices \[1\]\)") as caught:
+        await served.model.train([_group(0), flat], config=CONFIG)
+    assert [Path(w.filename).name for w in caught if w.category is ZeroVarianceGroupsWarning] == [Path(__file__).name]
