@@ -1,7 +1,6 @@
 """What every in-process backend (``LocalBackend``, ``RayBackend``) does the same way.
 
-- ``ModelTable``: the registered models, keyed by ``(project, name)``, their folders, and the open/closed state.
-- ``ServesModels``: the contract's methods that read that table (the adapters' ``GatewayAccess``, ``train``
+- ``ServesModels``: the contract's methods that read the backend's ``ModelTable`` (``_tables.py``) (the adapters' ``GatewayAccess``, ``train``
   through the model's ``StepRunner``, ``sample``, checkpoints, history); a backend adds ``register``, ``aclose``
   and how it trains and publishes (``_steps.StepWork``).
 - ``sample``: the chat is rendered through the gateway's message conversion (``art_core.messages``), so a
@@ -15,13 +14,14 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..config import TrainConfig
 from ..engines.base import EngineOutput, SamplingParams
-from ..errors import LifecycleError, ModelNotRegisteredError
+from ..errors import LifecycleError
 from ..messages import template_messages
 from ..types import CallRecord, Message, Trajectory, TrajectoryGroup
+from ._tables import ModelTable
 from .base import ModelSpec, Progress, TrainResult
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from ..wire import RolloutStatus
     from ._steps import StepRunner
 
-__all__ = ["ModelTable", "ServesModels", "append_history", "read_history", "render_chat", "sampled_trajectories",
+__all__ = ["ServesModels", "append_history", "read_history", "render_chat", "sampled_trajectories",
            "trajectories_path"]
 
 
@@ -44,55 +44,6 @@ class Slot(Protocol):
     def engine(self) -> Any:
         """The ``Engine`` behind the gateway (a ``ReplicaRouter`` on Ray)."""
         ...
-
-
-S = TypeVar("S", bound=Slot)
-
-
-class ModelTable(Generic[S]):
-    """A backend's registered models and their folders under ``path``; refuses use after ``close``.
-
-    Args:
-        path: the root folder of projects.
-        owner: the backend's class name, for messages.
-    """
-
-    def __init__(self, path: Path, owner: str) -> None:
-        self.path, self.owner = path, owner
-        self.slots: dict[tuple[str, str], S] = {}
-        self.closed = False
-
-    def folder(self, model: ModelSpec) -> Path:
-        """``<path>/<project>/models/<name>``."""
-        return self.path / model.project / "models" / model.name
-
-    def check_open(self) -> None:
-        if self.closed:
-            raise LifecycleError(f"this {self.owner} is closed; create a new one")
-
-    def check_new(self, model: ModelSpec) -> None:
-        """Raise unless the backend is open and the model is not registered yet."""
-        self.check_open()
-        if (model.project, model.name) in self.slots:
-            raise LifecycleError(f"a model named {model.name!r} in project {model.project!r} is already "
-                                 "registered with this backend")
-
-    def add(self, model: ModelSpec, slot: S) -> None:
-        self.slots[(model.project, model.name)] = slot
-
-    def get(self, model: ModelSpec) -> S:
-        self.check_open()
-        slot = self.slots.get((model.project, model.name))
-        if slot is None:
-            raise ModelNotRegisteredError(f"model {model.name!r} is not registered with this backend")
-        return slot
-
-    def close(self) -> list[S]:
-        """Mark the backend closed; returns the slots to release."""
-        self.closed = True
-        slots = list(self.slots.values())
-        self.slots.clear()
-        return slots
 
 
 class ServesModels:

@@ -26,7 +26,8 @@ from ..errors import ConfigError
 from ..types import TrajectoryGroup
 from ._engines import EngineContext, Serving, TransformersOptions, VLLMOptions, inference_choice
 from ._progress import progress_bar
-from ._shared import ModelTable, ServesModels
+from ._shared import ServesModels
+from ._tables import ModelTable
 from ._steps import EngineHold, StepRunner, Trained
 from ._trainers import trainer_choice
 from .base import ModelSpec, Progress

@@ -31,7 +31,7 @@ import httpx
 from pydantic import TypeAdapter
 
 from ..config import TrainConfig
-from ..errors import ConfigError, LifecycleError, ModelNotRegisteredError, ServerError, ServerUnavailableError
+from ..errors import ConfigError, ModelNotRegisteredError, ServerError, ServerUnavailableError
 from ..wire import (
     API_PREFIX,
     ROLLOUT_ID_PATTERN,
@@ -45,6 +45,7 @@ from ..wire import (
 )
 from ..types import Trajectory, TrajectoryGroup
 from ._http import LoopClient
+from ._tables import ModelTable
 from ._progress import progress_bar
 from .base import ModelSpec, Progress, TrainResult
 
@@ -95,9 +96,9 @@ class RemoteBackend:
         loopback = parts.hostname in ("localhost", "127.0.0.1", "::1")
         self.compress_above = None if loopback else compress_above
         self._headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        self._models: dict[tuple[str, str], Registered] = {}
+        # Folders are the server's (``Registered.model_dir``): the table's own root is not used.
+        self._models: ModelTable[Registered] = ModelTable(Path("."), "RemoteBackend")
         self._http = LoopClient(headers=self._headers, timeout=self.timeout)
-        self._closed = False
 
     def __repr__(self) -> str:
         return f"RemoteBackend({self.url!r})"
@@ -110,20 +111,16 @@ class RemoteBackend:
 
     async def aclose(self) -> None:
         """Close the connections; the models stay served on the server. The backend cannot be used afterwards."""
-        self._closed = True
+        self._models.close()
         await self._http.aclose()
 
     # -- the Backend contract (called by TrainableModel) ----------------------------------------------
 
     async def register(self, model: ModelSpec) -> int:
-        self._check_open()
-        key = (model.project, model.name)
-        if key in self._models:
-            raise LifecycleError(f"a model named {model.name!r} in project {model.project!r} is already "
-                                 "registered with this backend")
+        self._models.check_new(model)
         response = await self._call("POST", "/models", content=model.model_dump_json().encode())
         registered = Registered.model_validate_json(response.content)
-        self._models[key] = registered
+        self._models.add(model, registered)
         return registered.step
 
     def base_url(self, model: ModelSpec) -> str:
@@ -180,8 +177,7 @@ class RemoteBackend:
                             report(data["done"], data["total"])
                         elif kind == "result":
                             result = TrainResult.model_validate(data)
-                            self._models[(model.project, model.name)] = registered.model_copy(
-                                update={"step": result.step})
+                            self._models.add(model, registered.model_copy(update={"step": result.step}))
                             return result
                         elif kind == "error":
                             raise error_from_wire(ErrorBody.model_validate(data))
@@ -312,15 +308,10 @@ class RemoteBackend:
         return f"/models/{model.project}/{model.name}/{route}"
 
     def _registered(self, model: ModelSpec) -> Registered:
-        self._check_open()
-        registered = self._models.get((model.project, model.name))
-        if registered is None:
-            raise ModelNotRegisteredError(f"model {model.name!r} is not registered with this backend")
-        return registered
+        return self._models.get(model)
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise LifecycleError("this RemoteBackend is closed; create a new one")
+        self._models.check_open()
 
 
 class _NotFound(Exception):

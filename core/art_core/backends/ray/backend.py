@@ -34,7 +34,8 @@ from ..._threads import HELPERS
 from ...config import TrainConfig
 from ...errors import ConfigError, LifecycleError
 from ...types import TrajectoryGroup
-from .._shared import ModelTable, ServesModels
+from .._shared import ServesModels
+from .._tables import ModelTable
 from .._steps import StepRunner, Trained
 from ..base import ModelSpec, Progress
 
