@@ -1,5 +1,10 @@
 """art-core: trajectory types, base models, the GRPO trainer on LoRA, and backends.
 
+    TrainableModel --Backend--> LocalBackend | RayBackend | RemoteBackend (-> art-core serve -> Local or Ray)
+    adapters (art_plugins) --GatewayAccess--> the model's gateway: URLs, key, async rollout records
+    Local and Ray --> backends/_steps.StepRunner: one step path (groups to disk, pause, train, checkpoint,
+                      publish, history, resume); each supplies only how it trains and how it publishes
+
 Importing this package does not import torch: the training stack loads when a backend first needs it.
 """
 

@@ -220,12 +220,12 @@ class TrainableModel:
 
         A coroutine: with a remote backend it is one HTTP round trip, which never blocks the event loop.
         """
-        return await self.gateway_access.rollout_records(self.spec, rollout_id)
+        return await _awaited(self.gateway_access.rollout_records(self.spec, rollout_id), "rollout_records")
 
     async def fetch_rollout_status(self, rollout_id: str) -> RolloutStatus:
         """What the gateway knows of a rollout's calls beyond their records: ``unanswered``, the calls it received
         and has not answered yet (a rollout that ended with some never saw their answers), and its state."""
-        return await self.gateway_access.rollout_status(self.spec, rollout_id)
+        return await _awaited(self.gateway_access.rollout_status(self.spec, rollout_id), "rollout_status")
 
     def rollout_records(self, rollout_id: str) -> list[ExchangeRecord]:
         """``fetch_rollout_records``, waited for: for scripts and tests. It blocks its thread until the records
@@ -276,3 +276,16 @@ def _wait_for(start: Callable[[], Coroutine[Any, Any, T]]) -> T:
         return asyncio.run(start())
     with ThreadPoolExecutor(1, thread_name_prefix="art-wait") as pool:
         return pool.submit(lambda: asyncio.run(start())).result()
+
+
+async def _awaited(value: Any, method: str) -> Any:
+    """``value`` awaited; a third-party backend's synchronous method still works, with a deprecation warning."""
+    if inspect.isawaitable(value):
+        return await value
+    import warnings
+
+    warnings.warn(f"Backend.{method} returned a value, not a coroutine: since art-core 0.1.0 (November 2026) "
+                  f"GatewayAccess.{method} is async (the adapters read records on the event loop); synchronous "
+                  f"ones are deprecated and will stop working in 0.2.0: make it `async def {method}`",
+                  DeprecationWarning, stacklevel=3)
+    return value
