@@ -47,7 +47,11 @@ class Slot(Protocol):
 
 
 class ServesModels:
-    """The contract's methods of a backend whose models are in a ``ModelTable`` (``self._models``)."""
+    """The contract's methods of a backend whose models are in a ``ModelTable`` (``self._models``).
+
+    A mixin rather than a helper each backend forwards to: the methods are the same on Local and Ray, and
+    forwarding them one by one would be the copy this replaces. A backend adds ``register`` and ``aclose``.
+    """
 
     _models: ModelTable[Any]
 
