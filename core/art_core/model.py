@@ -8,9 +8,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -21,6 +23,7 @@ from .types import CallRecord, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from .backends.base import Backend, ModelSpec
+    from .tracking import ReportTo, TrackingSession
     from .gateway.records import ExchangeRecord
     from .wire import RolloutStatus
 
@@ -53,10 +56,17 @@ class TrainableModel:
         base_model: a local Hugging Face model directory, or a registered name
             (``"smollm2-135m-instruct"``, the embedded default).
         lora: the adapter's shape; fixed for the model's life.
+        report_to: experiment trackers that get every step's metrics, the run's config and a table of the best
+            and worst trajectories: ``"wandb"``, ``"mlflow"``, ``"tensorboard"``, ``"trackio"``, tracker objects
+            (``art_core.tracking``), or a list of them. None (default): none, and no tracker library is imported.
+            A tracker that fails never fails a step. See ``art_core.tracking``.
+
+    Raises:
+        ConfigError: a bad name, or a tracker whose package is not installed.
     """
 
     def __init__(self, *, name: str, project: str = "default", base_model: str | Path = EMBEDDED_MODEL,
-                 lora: LoraSettings | None = None) -> None:
+                 lora: LoraSettings | None = None, report_to: ReportTo = None) -> None:
         self.name = _check_name("model name", name)
         self.project = _check_name("project name", project)
         self.base_model = base_model
@@ -64,6 +74,11 @@ class TrainableModel:
         self._backend: Backend | None = None
         self._step = 0
         self._step_hooks: list[StepHook] = []
+        # report_to lives on the model, as TRL's lives on the trainer's args: it spans the whole run, while a
+        # TrainConfig is per step. It is checked here, before any work starts; libraries load at the first step.
+        self._trackers = self._resolve_trackers(report_to)
+        self._tracking: TrackingSession | None = None
+        self._last_step_end: float | None = None
         from .backends.base import ModelSpec
 
         self._spec = ModelSpec(name=self.name, project=self.project, base_model=str(base_model), lora=self.lora)
@@ -122,10 +137,58 @@ class TrainableModel:
         groups = list(groups)
         if not groups:
             raise ConfigError("train() got no group: gather at least one TrajectoryGroup first")
-        result = await self.backend.train(self.spec, groups, config or TrainConfig())
+        config = config or TrainConfig()
+        started = time.perf_counter()
+        result = await self.backend.train(self.spec, groups, config)
         self._step = result.step
         await self._run_step_hooks(groups, result.metrics)
+        if self._trackers:
+            seconds = {"step": time.perf_counter() - started}
+            if self._last_step_end is not None:  # the rollouts (and anything else the loop did) since the last step
+                seconds["rollouts"] = started - self._last_step_end
+            await self._report(groups, result.metrics, config, seconds)
+        self._last_step_end = time.perf_counter()
         return result.metrics
+
+    async def finish_tracking(self) -> None:
+        """End the trackers' runs (W&B ``finish``, MLflow run marked finished, files closed). A later ``train``
+        resumes the same runs. Does nothing without ``report_to``."""
+        if self._tracking is not None:
+            await asyncio.to_thread(self._tracking.finish)
+
+    @property
+    def tracking(self) -> TrackingSession | None:
+        """The model's trackers and their failure count (``tracking.failures``); None without ``report_to`` or
+        before the first step."""
+        return self._tracking
+
+    @staticmethod
+    def _resolve_trackers(report_to: ReportTo) -> list[Any]:
+        if report_to is None:
+            return []
+        from .tracking import resolve_trackers
+
+        return resolve_trackers(report_to)
+
+    async def _report(self, groups: list[TrajectoryGroup], metrics: dict[str, Any], config: TrainConfig,
+                      seconds: dict[str, float]) -> None:
+        if self._tracking is None:
+            from .tracking import TrackingSession
+
+            self._tracking = TrackingSession(self._trackers, self._tracking_folder())
+        run_config = {"project": self.project, "model": self.name, "base_model": str(self.base_model),
+                      "lora": self.lora.model_dump(), "train": config.model_dump()}
+        # A worker thread: trackers do file and network I/O, and rollouts may be running on this loop.
+        await asyncio.to_thread(self._tracking.report, step=self._step, metrics=metrics, groups=groups,
+                                config=run_config, project=self.project, name=self.name, seconds=seconds)
+
+    def _tracking_folder(self) -> Path:
+        """``<model_dir>/tracking`` when the model's folder is on this machine (Local, Ray, a server on this
+        host); else ``./art-tracking/<project>/<name>`` (a ``RemoteBackend`` on another machine)."""
+        model_dir = self.model_dir
+        if model_dir.is_dir():
+            return model_dir / "tracking"
+        return Path.cwd() / "art-tracking" / self.project / self.name
 
     def add_step_hook(self, hook: StepHook) -> Callable[[], None]:
         """Call ``hook(model, groups, metrics)`` after every ``train`` (sync or async).

@@ -1,0 +1,85 @@
+"""MLflow: one MLflow run per model in the experiment named after its project, written through ``MlflowClient``
+(no active-run state is set in the process)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ._base import RunInfo, StepReport
+
+__all__ = ["TRAJECTORY_TABLE", "MLflowTracker", "flat_params"]
+
+TRAJECTORY_TABLE = "trajectories.json"
+"""The run's artifact holding the best and worst trajectories of every step (``MlflowClient.load_table``)."""
+
+_PARAM_CHARS = 6000  # MLflow's limit on a param value
+
+
+class MLflowTracker:
+    """Logs to an MLflow run: metrics per step, the config as params (once, when the run is made), and the
+    trajectory table as the ``trajectories.json`` artifact (appended to every step).
+
+    Args:
+        tracking_uri: the tracking server (``http://127.0.0.1:5000``) or store; default: MLflow's
+            (``MLFLOW_TRACKING_URI``, else its local default).
+        experiment: the experiment's name; default: the model's project.
+    """
+
+    name = "mlflow"
+
+    def __init__(self, *, tracking_uri: str | None = None, experiment: str | None = None) -> None:
+        self.tracking_uri = tracking_uri
+        self.experiment = experiment
+        self._client: Any = None
+        self._run_id: str | None = None
+
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run's id once started."""
+        return self._run_id
+
+    def start(self, run: RunInfo) -> str:
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+
+        self._client = client = MlflowClient(tracking_uri=self.tracking_uri)
+        if run.run_id is not None:
+            client.update_run(client.get_run(run.run_id).info.run_id, status="RUNNING")
+            self._run_id = run.run_id
+            return run.run_id
+        name = self.experiment or run.project
+        experiment = client.get_experiment_by_name(name)
+        experiment_id = experiment.experiment_id if experiment is not None else client.create_experiment(name)
+        created = client.create_run(experiment_id, run_name=run.name, tags={"art.model": run.name})
+        self._run_id = created.info.run_id
+        params = [Param(key, value) for key, value in flat_params(run.config).items()]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+            client.log_batch(self._run_id, params=params[i:i + 100])
+        return self._run_id
+
+    def log_step(self, report: StepReport) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(key, value, now, report.step) for key, value in report.metrics.items()]
+        self._client.log_batch(self._run_id, metrics=metrics)
+        if report.trajectories:
+            rows = [row.as_dict() for row in report.trajectories]
+            self._client.log_table(self._run_id, data={key: [r[key] for r in rows] for key in rows[0]},
+                                   artifact_file=TRAJECTORY_TABLE)
+
+    def finish(self) -> None:
+        if self._client is not None and self._run_id is not None:
+            self._client.set_terminated(self._run_id)
+
+
+def flat_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{"lora": {"rank": 8}}`` -> ``{"lora.rank": "8"}`` (MLflow params are flat strings)."""
+    out: dict[str, str] = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            out.update(flat_params(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = str(value)[:_PARAM_CHARS]
+    return out
