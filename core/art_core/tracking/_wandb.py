@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ class WandbTracker:
         folder.mkdir(parents=True, exist_ok=True)
         # reinit="create_new": the model's run lives beside any run the user opened themselves.
         self._run = wandb.init(project=self.project or run.project, entity=self.entity, name=run.name,
-                               id=run.run_id or wandb.util.generate_id(), resume="allow", dir=str(folder),
+                               id=run.run_id or uuid.uuid4().hex[:12], resume="allow", dir=str(folder),
                                mode=self.mode, reinit="create_new")
         # On resume the config may differ (a new learning rate): the latest is what the run shows.
         self._run.config.update(run.config, allow_val_change=True)
