@@ -35,8 +35,8 @@ async def test_metrics_params_and_table_reach_the_mlflow_server_and_a_resumed_mo
     for key in ("train/loss", "train/grad_norm", "train/kl", "train/trained_tokens", "time/step", "rollout/success_mean"):
         assert [m.step for m in client.get_metric_history(run_id, key)] == [1, 2, 3], key
 
-    # The table as MlflowClient.log_table wrote it (pandas "split" JSON). Not client.load_table: its run search
-    # (a LIKE on the run's loggedArtifacts tag) finds no run on this server and sqlite store.
+    # The table as MlflowClient.log_table wrote it (pandas "split" JSON). Not client.load_table: it searches runs
+    # through the process's default tracking URI (mlflow.search_runs), not this client's server.
     assert json.loads(run.data.tags["mlflow.loggedArtifacts"]) == [{"path": TRAJECTORY_TABLE, "type": "table"}]
     path = client.download_artifacts(run_id, TRAJECTORY_TABLE, str(tmp_path))
     rows = pandas.read_json(path, orient="split").to_dict("records")

@@ -28,7 +28,7 @@ def step_report(step: int, metrics: Mapping[str, Any], groups: Sequence[Trajecto
         groups: the step's groups: their trajectories' metrics are averaged into ``rollout/<key>_mean``, and the
             best and worst trajectories make the table.
         seconds: client-side timings, logged as ``time/<key>``.
-        failures: tracker failures so far, logged as ``tracking/failures``.
+        failures: tracker failures before this report is sent, logged as ``tracking/failures``.
     """
     out: dict[str, float] = {}
     for key, value in metrics.items():
