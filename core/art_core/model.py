@@ -164,8 +164,8 @@ class TrainableModel:
 
     @staticmethod
     def _resolve_trackers(report_to: ReportTo) -> list[Any]:
-        if report_to is None:
-            return []
+        if report_to is None or (isinstance(report_to, list | tuple) and not report_to):
+            return []  # off: art_core.tracking is not even imported
         from .tracking import resolve_trackers
 
         return resolve_trackers(report_to)
