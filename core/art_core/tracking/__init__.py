@@ -21,13 +21,13 @@ from ._trackio import TrackioTracker
 from ._wandb import WandbTracker
 
 __all__ = [
-    "TRACE_URL_KEY",
-    "TRACKER_NAMES",
-    "TRAJECTORY_TABLE",
     "MLflowTracker",
     "ReportTo",
     "RunInfo",
     "StepReport",
+    "TRACE_URL_KEY",
+    "TRACKER_NAMES",
+    "TRAJECTORY_TABLE",
     "TensorBoardTracker",
     "Tracker",
     "TrackingSession",
