@@ -12,8 +12,8 @@ run id is kept in ``<model_dir>/tracking/runs.json``, so a model registered agai
 Nothing here imports a tracker's library until the first step is reported.
 """
 
-from ._base import RunInfo, StepReport, Tracker, TrajectoryRow
-from ._mlflow import TRAJECTORY_TABLE, MLflowTracker
+from ._base import RunInfo, ScoredRollout, StepReport, Tracker, TrajectoryRow
+from ._mlflow import MLFLOW_TRACE_ID_KEY, TRAJECTORY_TABLE, MLflowTracker
 from ._report import TRACE_URL_KEY, step_report
 from ._session import TRACKER_NAMES, ReportTo, TrackingSession, resolve_trackers
 from ._tensorboard import TensorBoardTracker
@@ -21,9 +21,11 @@ from ._trackio import TrackioTracker
 from ._wandb import WandbTracker
 
 __all__ = [
+    "MLFLOW_TRACE_ID_KEY",
     "MLflowTracker",
     "ReportTo",
     "RunInfo",
+    "ScoredRollout",
     "StepReport",
     "TRACE_URL_KEY",
     "TRACKER_NAMES",

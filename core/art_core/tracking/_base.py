@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["RunInfo", "StepReport", "Tracker", "TrajectoryRow"]
+__all__ = ["RunInfo", "ScoredRollout", "StepReport", "Tracker", "TrajectoryRow"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,18 @@ class TrajectoryRow:
 
 
 @dataclass(frozen=True)
+class ScoredRollout:
+    """Every trajectory of a step, as a tracker that traced its rollout needs it (to attach the reward)."""
+
+    trajectory_id: str
+    reward: float
+    metrics: dict[str, float]
+    """The trajectory's finite numeric ``metrics``."""
+    metadata: dict[str, Any]
+    """The trajectory's ``metadata`` (a tracer's trace id is there, e.g. ``"mlflow_trace_id"``)."""
+
+
+@dataclass(frozen=True)
 class StepReport:
     """What one ``model.train`` call reports."""
 
@@ -71,6 +83,8 @@ class StepReport:
     step's trajectories), ``time/...`` (seconds), ``tracking/failures``."""
     trajectories: list[TrajectoryRow] = field(default_factory=list)
     """The step's best and worst trajectories."""
+    rollouts: list[ScoredRollout] = field(default_factory=list)
+    """Every trajectory of the step: reward, metrics and metadata."""
 
 
 @runtime_checkable

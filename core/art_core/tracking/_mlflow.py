@@ -1,5 +1,10 @@
 """MLflow: one MLflow run per model in the experiment named after its project, written through ``MlflowClient``
-(no active-run state is set in the process)."""
+(no active-run state is set in the process).
+
+When the rollouts were traced in MLflow (``art_plugins.mlflow``: each trajectory's ``metadata["mlflow_trace_id"]``),
+each step also attaches every such trajectory's reward (and its numeric metrics) to its trace as feedback, and
+links the traces to the run: the step is where reward and run meet.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,10 @@ from typing import Any
 
 from ._base import RunInfo, StepReport
 
-__all__ = ["TRAJECTORY_TABLE", "MLflowTracker", "flat_params"]
+__all__ = ["MLFLOW_TRACE_ID_KEY", "TRAJECTORY_TABLE", "MLflowTracker", "flat_params"]
+
+MLFLOW_TRACE_ID_KEY = "mlflow_trace_id"
+"""``Trajectory.metadata`` key of the MLflow trace of the rollout (set by ``art_plugins.mlflow``)."""
 
 TRAJECTORY_TABLE = "trajectories.json"
 """The run's artifact holding the best and worst trajectories of every step (``MlflowClient.load_table``)."""
@@ -68,6 +76,26 @@ class MLflowTracker:
             rows = [row.as_dict() for row in report.trajectories]
             self._client.log_table(self._run_id, data={key: [r[key] for r in rows] for key in rows[0]},
                                    artifact_file=TRAJECTORY_TABLE)
+        traced = [r for r in report.rollouts if r.metadata.get(MLFLOW_TRACE_ID_KEY)]
+        if traced:
+            self._attach_rewards(traced)
+
+    def _attach_rewards(self, traced: list[Any]) -> None:
+        import mlflow
+        from mlflow.entities import AssessmentSource
+
+        # Traces are exported in the background: the step's must be on the server before feedback names them.
+        mlflow.flush_trace_async_logging()
+        source = AssessmentSource(source_type="CODE", source_id="art.reward")
+        trace_ids = []
+        for rollout in traced:
+            trace_id = str(rollout.metadata[MLFLOW_TRACE_ID_KEY])
+            trace_ids.append(trace_id)
+            mlflow.log_feedback(trace_id=trace_id, name="reward", value=rollout.reward, source=source)
+            for key, value in rollout.metrics.items():
+                mlflow.log_feedback(trace_id=trace_id, name=key, value=value, source=source)
+        for i in range(0, len(trace_ids), 100):  # the server links at most 100 traces per call
+            self._client.link_traces_to_run(trace_ids[i:i + 100], self._run_id)
 
     def finish(self) -> None:
         if self._client is not None and self._run_id is not None:

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..types import TRACE_ID_KEY, Trajectory, TrajectoryGroup
-from ._base import StepReport, TrajectoryRow
+from ._base import ScoredRollout, StepReport, TrajectoryRow
 
 __all__ = ["TRACE_URL_KEY", "step_report"]
 
@@ -44,7 +44,10 @@ def step_report(step: int, metrics: Mapping[str, Any], groups: Sequence[Trajecto
     for key, value in seconds.items():
         out[f"time/{key}"] = float(value)
     out["tracking/failures"] = float(failures)
-    return StepReport(step=step, metrics=out, trajectories=_best_and_worst(step, groups))
+    rollouts = [ScoredRollout(trajectory_id=t.id, reward=t.reward, metadata=dict(t.metadata),
+                              metrics={k: n for k, v in t.metrics.items() if (n := _finite(v)) is not None})
+                for t in trajectories]
+    return StepReport(step=step, metrics=out, trajectories=_best_and_worst(step, groups), rollouts=rollouts)
 
 
 def _finite(value: Any) -> float | None:
