@@ -24,6 +24,8 @@ __all__ = ["TRACKER_NAMES", "ReportTo", "TrackingSession", "resolve_trackers"]
 
 logger = logging.getLogger("art_core.tracking")
 
+_FAILED = object()  # what _call returns for a call that raised (None may be a tracker's real answer)
+
 ReportTo: TypeAlias = "str | Tracker | Sequence[str | Tracker] | None"
 """A tracker name, a tracker object, or a list of them; None or ``"none"`` for none."""
 
@@ -135,10 +137,10 @@ class TrackingSession:
 
     def _start(self, tracker: Tracker, run: RunInfo, problems: list[str]) -> None:
         run_id = self._call(tracker, "start", lambda: tracker.start(run), problems)
-        if run_id is None:
+        if run_id is _FAILED:  # not started: the next step tries again
             return
         self._started.append(tracker)
-        if run_id != run.run_id:
+        if run_id is not None and run_id != run.run_id:
             self._save_run_id(tracker.name, str(run_id))
 
     def _call(self, tracker: Tracker, what: str, call: Callable[[], Any], problems: list[str]) -> Any:
@@ -148,7 +150,7 @@ class TrackingSession:
             self.failures += 1
             problems.append(f"{tracker.name}.{what} failed: {type(exc).__name__}: {str(exc)[:300]}")
             logger.debug("tracker %s.%s failed", tracker.name, what, exc_info=True)
-            return None
+            return _FAILED
 
     def _warn(self, step: int, problems: list[str]) -> None:
         if problems:
