@@ -16,7 +16,10 @@ model trains on it with ``report_to="mlflow"``, the step attaches its reward (an
 feedback (``mlflow.log_feedback``) and links the trace to the model's MLflow run.
 
 Traces and feedback go to the process's MLflow tracking URI (``MLFLOW_TRACKING_URI``), as MLflow's own tracing
-does; this module changes no MLflow setting. Like every tracer, it never fails a rollout: its failures are counted
+does; this module changes no MLflow setting. As with any tracer (``art_plugins._tracing``), an Agents SDK run
+traced here runs with the SDK's tracing on, so the SDK's own exporter sees it too (it sends to OpenAI only with
+an OpenAI key set; ``agents.set_tracing_disabled`` or ``set_trace_processors`` control it). Feedback reaches a
+trace only when a step trains on its trajectory (a held-out rollout keeps its trace, without feedback). Like every tracer, it never fails a rollout: its failures are counted
 (``failures``) and logged.
 """
 
