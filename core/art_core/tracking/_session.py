@@ -117,13 +117,17 @@ class TrackingSession:
         """Start the trackers not started yet, then give each the step's report (a blocking call: run it in a
         worker thread). Failures are counted, and warned about once for the step."""
         problems: list[str] = []
-        for tracker in self.trackers:
-            if tracker not in self._started:
-                self._start(tracker, RunInfo(project=project, name=name, run_id=self._run_ids().get(tracker.name),
-                                             folder=self.folder, config=config), problems)
-        report = step_report(step, metrics, groups, seconds=seconds, failures=self.failures)
-        for tracker in self._started:
-            self._call(tracker, "log_step", lambda t=tracker: t.log_step(report), problems)
+        try:
+            for tracker in self.trackers:
+                if tracker not in self._started:
+                    self._start(tracker, RunInfo(project=project, name=name, folder=self.folder, config=config,
+                                                 run_id=self._run_ids().get(tracker.name)), problems)
+            report = step_report(step, metrics, groups, seconds=seconds, failures=self.failures)
+            for tracker in self._started:
+                self._call(tracker, "log_step", lambda t=tracker: t.log_step(report), problems)
+        except Exception as exc:  # our own part (the report, runs.json) must not fail the step either
+            self.failures += 1
+            problems.append(f"tracking failed: {type(exc).__name__}: {str(exc)[:300]}")
         self._warn(step, problems)
 
     def finish(self) -> None:
