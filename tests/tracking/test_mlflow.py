@@ -9,7 +9,7 @@ import pandas
 
 from mlflow import MlflowClient
 
-from art_core.tracking import TRAJECTORY_TABLE, MLflowTracker
+from art_core.tracking import TRAJECTORY_TABLES, MLflowTracker
 from tracked_steps import train_twice
 
 
@@ -35,11 +35,12 @@ async def test_metrics_params_and_table_reach_the_mlflow_server_and_a_resumed_mo
     for key in ("train/loss", "train/grad_norm", "train/kl", "train/trained_tokens", "time/step", "rollout/success_mean"):
         assert [m.step for m in client.get_metric_history(run_id, key)] == [1, 2, 3], key
 
-    # The table as MlflowClient.log_table wrote it (pandas "split" JSON). Not client.load_table: it searches runs
-    # through the process's default tracking URI (mlflow.search_runs), not this client's server.
-    assert json.loads(run.data.tags["mlflow.loggedArtifacts"]) == [{"path": TRAJECTORY_TABLE, "type": "table"}]
-    path = client.download_artifacts(run_id, TRAJECTORY_TABLE, str(tmp_path))
-    rows = pandas.read_json(path, orient="split").to_dict("records")
+    # One table per report, in log_table's "split" JSON layout.
+    files = [a.path for a in client.list_artifacts(run_id, TRAJECTORY_TABLES)]
+    assert len(files) == 3 and files == sorted(files)
+    rows = [row for path in files
+            for row in pandas.read_json(client.download_artifacts(run_id, path, str(tmp_path)),
+                                        orient="split").to_dict("records")]
     assert [(r["step"], r["label"]) for r in rows] == [(s, label) for s in (1, 2, 3) for label in ("best", "worst")]
     best = rows[0]
     assert best["reward"] == 1.0 and best["trace_id"] == "trace-1"

@@ -13,7 +13,7 @@ Nothing here imports a tracker's library until the first step is reported.
 """
 
 from ._base import RunInfo, ScoredRollout, StepReport, Tracker, TrajectoryRow
-from ._mlflow import MLFLOW_TRACE_ID_KEY, TRAJECTORY_TABLE, MLflowTracker
+from ._mlflow import MLFLOW_TRACE_ID_KEY, TRAJECTORY_TABLES, MLflowTracker
 from ._report import TRACE_URL_KEY, step_report
 from ._session import TRACKER_NAMES, ReportTo, TrackingSession, resolve_trackers
 from ._tensorboard import TensorBoardTracker
@@ -29,7 +29,7 @@ __all__ = [
     "StepReport",
     "TRACE_URL_KEY",
     "TRACKER_NAMES",
-    "TRAJECTORY_TABLE",
+    "TRAJECTORY_TABLES",
     "TensorBoardTracker",
     "Tracker",
     "TrackingSession",

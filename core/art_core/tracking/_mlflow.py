@@ -13,20 +13,22 @@ from typing import Any
 
 from ._base import RunInfo, StepReport
 
-__all__ = ["MLFLOW_TRACE_ID_KEY", "TRAJECTORY_TABLE", "MLflowTracker", "flat_params"]
+__all__ = ["MLFLOW_TRACE_ID_KEY", "TRAJECTORY_TABLES", "MLflowTracker", "flat_params"]
 
 MLFLOW_TRACE_ID_KEY = "mlflow_trace_id"
 """``Trajectory.metadata`` key of the MLflow trace of the rollout (set by ``art_plugins.mlflow``)."""
 
-TRAJECTORY_TABLE = "trajectories.json"
-"""The run's artifact holding the best and worst trajectories of every step (``MlflowClient.load_table``)."""
+TRAJECTORY_TABLES = "trajectories"
+"""The run's artifact folder of trajectory tables: ``step_NNNN_<ms>.json`` per report, each a table in the
+"split" JSON layout ``MlflowClient.log_table`` writes (``{"columns": [...], "data": [[...], ...]}``;
+``pandas.read_json(path, orient="split")`` reads it)."""
 
 _PARAM_CHARS = 6000  # MLflow's limit on a param value
 
 
 class MLflowTracker:
-    """Logs to an MLflow run: metrics per step, the config as params (once, when the run is made), and the
-    trajectory table as the ``trajectories.json`` artifact (appended to every step).
+    """Logs to an MLflow run: metrics per step, the config as params (once, when the run is made), and each
+    step's trajectory table as an artifact under ``trajectories/``.
 
     Args:
         tracking_uri: the tracking server (``http://127.0.0.1:5000``) or store; default: MLflow's
@@ -74,8 +76,10 @@ class MLflowTracker:
         self._client.log_batch(self._run_id, metrics=metrics)
         if report.trajectories:
             rows = [row.as_dict() for row in report.trajectories]
-            self._client.log_table(self._run_id, data={key: [r[key] for r in rows] for key in rows[0]},
-                                   artifact_file=TRAJECTORY_TABLE)
+            # One small file per report: a single upload. (log_table appends to one file: it downloads and
+            # re-uploads the whole table every step, several round trips that grow with the run.)
+            self._client.log_dict(self._run_id, {"columns": list(rows[0]), "data": [list(r.values()) for r in rows]},
+                                  f"{TRAJECTORY_TABLES}/step_{report.step:04d}_{now}.json")
         traced = [r for r in report.rollouts if r.metadata.get(MLFLOW_TRACE_ID_KEY)]
         if traced:
             self._attach_rewards(traced)
