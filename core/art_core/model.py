@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import logging
 import re
@@ -78,6 +79,7 @@ class TrainableModel:
         # TrainConfig is per step. It is checked here, before any work starts; libraries load at the first step.
         self._trackers = self._resolve_trackers(report_to)
         self._tracking: TrackingSession | None = None
+        self._reporting: concurrent.futures.Future[None] | None = None  # the last step's report, being sent
         self._last_step_end: float | None = None
         from .backends.base import ModelSpec
 
@@ -151,10 +153,11 @@ class TrainableModel:
         return result.metrics
 
     async def finish_tracking(self) -> None:
-        """End the trackers' runs (W&B ``finish``, MLflow run marked finished, files closed). A later ``train``
-        resumes the same runs. Does nothing without ``report_to``."""
+        """Wait for the last step's report, then end the trackers' runs (W&B ``finish``, MLflow run marked
+        finished, files closed). A later ``train`` resumes the same runs. Does nothing without ``report_to``."""
         if self._tracking is not None:
-            await asyncio.to_thread(self._tracking.finish)
+            await self._reported()
+            await asyncio.wrap_future(self._tracking.submit(self._tracking.finish))
 
     @property
     def tracking(self) -> TrackingSession | None:
@@ -172,15 +175,26 @@ class TrainableModel:
 
     async def _report(self, groups: list[TrajectoryGroup], metrics: dict[str, Any], config: TrainConfig,
                       seconds: dict[str, float]) -> None:
+        """Send the step's report in the background: the trackers' I/O (an MLflow server, W&B's service) then
+        overlaps the next rollouts instead of adding to the step. One report in flight at a time, in order:
+        the previous one is waited for first (normally done long before)."""
         if self._tracking is None:
             from .tracking import TrackingSession
 
             self._tracking = TrackingSession(self._trackers, self._tracking_folder())
+        await self._reported()
         run_config = {"project": self.project, "model": self.name, "base_model": str(self.base_model),
                       "lora": self.lora.model_dump(), "train": config.model_dump()}
-        # A worker thread: trackers do file and network I/O, and rollouts may be running on this loop.
-        await asyncio.to_thread(self._tracking.report, step=self._step, metrics=metrics, groups=groups,
-                                config=run_config, project=self.project, name=self.name, seconds=seconds)
+        tracking, step = self._tracking, self._step
+        self._reporting = tracking.submit(lambda: tracking.report(
+            step=step, metrics=dict(metrics), groups=list(groups), config=run_config, project=self.project,
+            name=self.name, seconds=seconds))
+
+    async def _reported(self) -> None:
+        """Wait until the last step's report has been sent (it never raises: the session counts failures)."""
+        if self._reporting is not None:
+            reporting, self._reporting = self._reporting, None
+            await asyncio.wrap_future(reporting)
 
     def _tracking_folder(self) -> Path:
         """``<model_dir>/tracking`` when the model's folder is on this machine (Local, Ray, a server on this

@@ -127,6 +127,7 @@ async def test_report_has_the_steps_numbers_and_its_best_and_worst_trajectories(
     async with LocalBackend(path=tmp_path, serve=False, show_progress=False) as backend:
         await model.register(backend)
         (metrics,) = await train_steps(model, 1)
+        await model.finish_tracking()  # the report is sent in the background: this waits for it
     (report,) = good.reports
     assert report.metrics["train/reward_mean"] == metrics["reward_mean"] == 0.4375
     assert report.metrics["train/reward_std"] == pytest.approx(0.3697, abs=1e-4)  # population std of 0,1,.5,.25

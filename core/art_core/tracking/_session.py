@@ -6,6 +6,7 @@ counted, the step goes on, and one warning per step names every tracker that fai
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import json
 import logging
@@ -95,6 +96,9 @@ def resolve_trackers(report_to: Any) -> list[Tracker]:
 class TrackingSession:
     """Fans a model's steps out to its trackers; runs them in order, never raising.
 
+    Its calls run on one worker thread of its own (``submit``), so reports are sent in order and a step need not
+    wait for the trackers' I/O. Python joins that thread at exit: a report still being sent is finished first.
+
     Args:
         trackers: from ``resolve_trackers``.
         folder: where ``runs.json`` (the run ids) and the trackers' local files live.
@@ -106,6 +110,11 @@ class TrackingSession:
         self.failures = 0
         """Tracker calls that raised, since the model was made."""
         self._started: list[Tracker] = []
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="art-tracking")
+
+    def submit(self, call: Callable[[], None]) -> concurrent.futures.Future[None]:
+        """Run ``call`` (``report`` or ``finish``) on the session's worker thread, after those submitted before."""
+        return self._worker.submit(call)
 
     @property
     def state_path(self) -> Path:
