@@ -91,6 +91,12 @@ def test_bad_report_to_is_refused_when_the_model_is_made(report_to, message):
         TrainableModel(name="bad", report_to=report_to)
 
 
+def test_a_tracker_whose_package_is_missing_is_refused_with_the_extra_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "trackio", None)  # as on a machine without it: find_spec finds nothing
+    with pytest.raises(ConfigError, match=r"pip install 'art-core\[trackio\]'"):
+        TrainableModel(name="missing", report_to=["tensorboard", "trackio"])
+
+
 async def test_a_failing_tracker_never_fails_a_step_and_is_warned_about_once_per_step(tiny_model_dir, tmp_path,
                                                                                        caplog):
     good, broken = Recording(), Broken("broken")
