@@ -77,3 +77,38 @@ async def test_each_rollout_is_a_trace_with_its_reward_as_feedback_linked_to_the
         assert call.span_type == "LLM" and call.parent_id == root.span_id
         assert call.attributes["request_id"] == trajectory.calls[0].request_id
         assert call.attributes["completion_tokens"] == len(trajectory.calls[0].completion_token_ids)
+
+
+async def test_a_streamed_agents_sdk_run_is_a_trace_whose_call_span_gets_its_token_count(
+        tiny_model_dir, tmp_path, monkeypatch, mlflow_server):
+    from agents import Agent, ModelSettings
+
+    from art_core import TrajectoryGroup
+    from art_plugins.openai_agents import TrainableRunner
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    model = TrainableModel(name="agent", project="agent-traces", base_model=tiny_model_dir,
+                           report_to=MLflowTracker(tracking_uri=mlflow_server))
+    tracing = MLflowTracing()
+    async with LocalBackend(path=tmp_path, show_progress=False) as backend:
+        await model.register(backend)
+        runner = TrainableRunner(model)
+        replier = Agent(name="Replier", instructions="Answer.", model="agent",
+                        model_settings=ModelSettings(max_tokens=4))
+        with tracing.tracing():
+            streamed = runner.run_streamed(replier, "Hi!", reward=lambda trajectory, output: 0.5)
+        _, trajectory = await streamed.wait()  # the run outlives the scope: its trace ends with its events
+        with pytest.warns(UserWarning):  # one rollout: nothing to learn, but the step is still reported
+            await model.train([TrajectoryGroup([trajectory])], config=TrainConfig(learning_rate=1e-3))
+        await model.finish_tracking()
+    assert tracing.failures == 0 and model.tracking.failures == 0
+
+    client = MlflowClient(tracking_uri=mlflow_server)
+    run_id = json.loads((tmp_path / "agent-traces" / "models" / "agent" / "tracking" / "runs.json").read_text())["mlflow"]
+    (trace,) = client.search_traces(locations=[client.get_experiment_by_name("agent-traces").experiment_id],
+                                    run_id=run_id)
+    assert trace.info.trace_id == trajectory.metadata["mlflow_trace_id"]
+    assert {a.name: a.value for a in trace.info.assessments}["reward"] == 0.5
+    root, *calls = trace.data.spans
+    assert root.name == "openai-agents rollout" and root.inputs == "Hi!"
+    assert [c.attributes["completion_tokens"] for c in calls] == [len(c.completion_token_ids) for c in trajectory.calls]
