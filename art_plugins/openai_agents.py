@@ -229,11 +229,11 @@ class TrainableRunner:
                 error = exc
         if isinstance(error, TimeoutError):
             await capture.scope.settle()  # the call it cut is recorded once the gateway sees the client go
-        elif error is not None and not capture.made_calls():
+        elif error is not None and not await capture.fetch_made_calls():
             raise error
         last_agent = result.last_agent if result is not None else _last_agent(error)
-        trajectory = capture.trajectory(final_output=result.final_output if result is not None else None,
-                                        last_agent=last_agent, error=error)
+        trajectory = await capture.fetch_trajectory(final_output=result.final_output if result is not None else None,
+                                                    last_agent=last_agent, error=error)
         return result, capture.scope.scored(await score(trajectory, reward))
 
     def run_streamed(self, starting_agent: Agent[Any], input: RunInput, *, reward: RewardFn | None = None,
@@ -315,7 +315,9 @@ class AgentCapture:
 
         async with runner.capture() as run:
             result = await Runner.run(agent, "Hi!", run_config=run.run_config())
-        trajectory = run.trajectory(final_output=result.final_output, last_agent=result.last_agent)
+        trajectory = await run.fetch_trajectory(final_output=result.final_output, last_agent=result.last_agent)
+
+    (``run.trajectory(...)`` is the same, waited for in the calling thread, for synchronous code.)
 
     Attributes:
         rollout_id: the gateway's rollout id for this run's calls.
@@ -345,7 +347,7 @@ class AgentCapture:
         if self._label_token is not None:
             _calling_agent.reset(self._label_token)
             self._label_token = None
-        self.scope.__exit__(exc_type, exc, tb)
+        await self.scope.__aexit__(exc_type, exc, tb)
         await self._close_providers()
 
     def run_config(self, base: RunConfig | dict[str, Any] | None = None) -> RunConfig:
@@ -379,12 +381,26 @@ class AgentCapture:
         return cast("RunErrorHandlers[Any]", {kind: self._noting(kind, handler) for kind, handler in given.items()})
 
     def made_calls(self) -> bool:
-        """Whether the gateway recorded any call of this run."""
+        """Whether the gateway recorded any call of this run (waited for in this thread; see ``fetch_made_calls``)."""
         return bool(self._runner.model.rollout_records(self.rollout_id))
+
+    async def fetch_made_calls(self) -> bool:
+        """``made_calls``, without blocking the event loop."""
+        return bool(await self._runner.model.fetch_rollout_records(self.rollout_id))
+
+    async def fetch_trajectory(self, *, final_output: Any = None, last_agent: Agent[Any] | None = None,
+                               error: BaseException | None = None, stop_reason: str | None = None) -> Trajectory:
+        """``trajectory``, with the gateway's records fetched without blocking the event loop."""
+        stop_reason, metadata = self._labels(final_output, last_agent, error, stop_reason)
+        trajectory = await self.scope.fetch_trajectory(final_state=final_output, stop_reason=stop_reason,
+                                                       metadata=metadata)
+        return self._reported(trajectory, error, metadata)
 
     def trajectory(self, *, final_output: Any = None, last_agent: Agent[Any] | None = None,
                    error: BaseException | None = None, stop_reason: str | None = None) -> Trajectory:
         """The run as a trajectory (not yet scored): histories from the gateway's records, and what the run reported.
+
+        It waits for the records in the calling thread; async code should ``await fetch_trajectory(...)``.
 
         Args:
             final_output: the run's final output (``trajectory.final_state``; also ``metadata["final_output"]``).
@@ -395,13 +411,21 @@ class AgentCapture:
         Raises:
             NoTrainableCallsError: the run never called the trainable model.
         """
+        stop_reason, metadata = self._labels(final_output, last_agent, error, stop_reason)
+        trajectory = self.scope.trajectory(final_state=final_output, stop_reason=stop_reason, metadata=metadata)
+        return self._reported(trajectory, error, metadata)
+
+    def _labels(self, final_output: Any, last_agent: Agent[Any] | None, error: BaseException | None,
+                stop_reason: str | None) -> tuple[str | None, dict[str, Any]]:
         stop_reason = _stop_reason(error) if error is not None else stop_reason or self._handled_stop
         metadata: dict[str, Any] = {"final_output": _as_text(final_output)}
         if last_agent is not None:
             metadata["last_agent"] = last_agent.name
         if error is not None:
             metadata["error"] = _describe(error, self._runner.timeout)
-        trajectory = self.scope.trajectory(final_state=final_output, stop_reason=stop_reason, metadata=metadata)
+        return stop_reason, metadata
+
+    def _reported(self, trajectory: Trajectory, error: BaseException | None, metadata: dict[str, Any]) -> Trajectory:
         trajectory.logs.extend(self.tool_errors)
         if error is not None:
             trajectory.logs.append(f"run stopped: {metadata['error']}")
@@ -412,6 +436,7 @@ class AgentCapture:
 
     async def _aclose(self) -> None:
         """End what the scope held for the run (the routing wrappers, its traces); close its gateway clients."""
+        await self.scope.counted()
         self.scope.release()
         await self._close_providers()
 
@@ -566,12 +591,12 @@ class StreamedRun:
             if self._timed_out and error is None:
                 error = TimeoutError(f"the run took longer than timeout={self._timeout} s")
                 await self._capture.scope.settle()  # the call it cut is recorded once the gateway sees the cut
-            elif error is not None and not self._capture.made_calls():
+            elif error is not None and not await self._capture.fetch_made_calls():
                 raise error
             result = self.result
             final_output = result.final_output if error is None else None
             cancelled = error is None and final_output is None  # cancel(): the run ended without an output
-            trajectory = self._capture.trajectory(
+            trajectory = await self._capture.fetch_trajectory(
                 final_output=final_output, last_agent=result.last_agent, error=error,
                 stop_reason="cancelled" if cancelled else None)
             self._trajectory = self._capture.scope.scored(await score(trajectory, self._reward))
