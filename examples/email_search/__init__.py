@@ -68,7 +68,7 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
     train_questions, eval_questions = split_questions(mailbox, train=settings.steps * settings.groups,
                                                       held_out=settings.held_out)
     model = TrainableModel(name=name or f"{MODEL_NAME}-{int(time.time())}", project="email_search",
-                           base_model=settings.base_model)
+                           base_model=settings.base_model, report_to=list(settings.report_to))
     async with open_backend(settings) as backend:
         await model.register(backend)
         # The graph names its model "email-agent"; trainable() routes those calls to the trainable model.
