@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "core")]
 
-EXAMPLES = ["langgraph_tools", "agents_sdk_support", "tic_tac_toe", "game_2048", "ruler_only"]
+EXAMPLES = ["langgraph_tools", "agents_sdk_support", "tic_tac_toe", "game_2048", "email_search", "ruler_only"]
 
 
 def run_one(name: str, seed: int, out: Path, overrides: dict[str, object]) -> dict[str, object]:

@@ -123,3 +123,15 @@ async def test_ruler_only(tiny_model_dir, tmp_path):
     check_run(result)
     trained = (result.model_dir / "trajectories" / "0001.jsonl").read_text()
     assert "ruler_score" in trained  # the rewards came from the judge
+
+
+async def test_email_search(tiny_model_dir, tmp_path):
+    """The graph runs through the real adapter; held-out runs use the hand reward, training RULER (local judge)."""
+    from examples import email_search
+
+    result = await email_search.run(tiny(tiny_model_dir, tmp_path, judge="local"))
+    check_run(result)
+    trained = [json.loads(line) for line in (result.model_dir / "trajectories" / "0001.jsonl").read_text().splitlines()]
+    text = json.dumps(trained)
+    assert "ruler_score" in text  # the training rewards came from the judge
+    assert '"found"' in text and "search_inbox" in text  # the hand marks were recorded; the first call searched

@@ -1,0 +1,102 @@
+"""Email search, the ART•E task at CPU scale: a LangGraph agent answers questions about a synthetic inbox
+(``python -m examples.email_search``).
+
+The mailbox (``mailbox.py``) is a few hundred seeded emails in SQLite with an FTS5 index; each question's
+answer sits in one email. The agent (``agent.py``) searches, reads and answers with the id of its source.
+Rewards come from the hand-written reward in ``agent.py`` (right answer, right source, partial credit for
+finding and reading the email), or with ``--judge MODEL`` from RULER (``ruler_score_group``: the judge
+compares each group's runs; ``--judge local`` uses the base model on this machine). Either way the
+held-out success is measured by the checker: the right answer citing the right email.
+
+Trained by RL alone: there is no SFT warm start on demonstrations yet.
+"""
+
+from __future__ import annotations
+
+import time
+from rich.console import Console
+
+from art_core import TrainableModel, TrajectoryGroup
+from art_core.errors import ConfigError
+from art_core.rewards import ruler_score_group
+from art_plugins.langgraph import trainable
+
+from .._common import ExampleSettings, LearningResult, learn, open_backend, parse_settings
+from ..ruler_only import judge_endpoint
+from .agent import MAX_TURNS, MODEL_NAME, build_graph, reward, task_input
+from .mailbox import Mailbox, Question
+
+__all__ = ["DEFAULTS", "RUBRIC", "main", "run", "split_questions"]
+
+DEFAULTS = ExampleSettings(steps=8, groups=2, rollouts=6, held_out=16, eval_rollouts=2, learning_rate=2e-3)
+"""Sized for 2 CPU cores: a run is 3-4 model calls; about 1.5-2 minutes per step on the embedded model."""
+
+RUBRIC = ("The agent must answer a question about the user's inbox with a short answer and the id of the email "
+          "that contains it. A correct answer that cites the email it came from is best; an answer without the "
+          "right source, or a guess made without reading any email, is worse; searching and reading the right "
+          "email is better than not finding it.")
+"""What the RULER judge is told good looks like (``--judge``)."""
+
+
+def split_questions(mailbox: Mailbox, *, train: int, held_out: int) -> tuple[list[Question], list[Question]]:
+    """Training and held-out questions, disjoint: the held-out ones are never trained on.
+
+    Raises:
+        ConfigError: the mailbox has fewer questions than asked for.
+    """
+    if train + held_out > len(mailbox.questions):
+        raise ConfigError(f"the mailbox has {len(mailbox.questions)} questions, asked for {train} training "
+                          f"(steps x groups) + {held_out} held-out; lower --steps, --groups or --held-out")
+    return mailbox.questions[held_out:held_out + train], mailbox.questions[:held_out]
+
+
+async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None = None,
+              name: str | None = None) -> LearningResult:
+    """Train the email agent and measure its held-out success (right answer and source) before and after.
+
+    Args:
+        settings: the example's flags (see ``examples._common.ExampleSettings``); ``judge`` switches the
+            training reward to RULER.
+        console: where to print progress.
+        name: the model's folder name; default: a fresh one per run, so a run never resumes an old one.
+
+    Returns:
+        Held-out success before and after, each step's figures, where the checkpoints and the curve are.
+    """
+    console = console or Console(soft_wrap=True)
+    mailbox = Mailbox(seed=settings.seed)
+    train_questions, eval_questions = split_questions(mailbox, train=settings.steps * settings.groups,
+                                                      held_out=settings.held_out)
+    model = TrainableModel(name=name or f"{MODEL_NAME}-{int(time.time())}", project="email_search",
+                           base_model=settings.base_model, report_to=list(settings.report_to))
+    async with open_backend(settings) as backend:
+        await model.register(backend)
+        # The graph names its model "email-agent"; trainable() routes those calls to the trainable model.
+        agent = trainable(build_graph(mailbox), model, model_names=[MODEL_NAME], recursion_limit=2 * MAX_TURNS + 2,
+                          timeout=600)
+
+        async def measure(question: Question, n: int, seed: int) -> TrajectoryGroup:
+            return await agent.group(task_input(question), n=n, reward=reward(question), seed=seed)
+
+        async with judge_endpoint(settings) as judge:
+            async def judged(question: Question, n: int, seed: int) -> TrajectoryGroup:
+                group = await measure(question, n, seed)
+                scored = await ruler_score_group(group, rubric=RUBRIC, seed=seed, swallow_exceptions=True, **judge)
+                return scored if scored is not None else group  # a failed judge call keeps the hand reward
+
+            play = judged if settings.judge else measure
+            source = f"RULER (judge {settings.judge!r})" if settings.judge else "the hand-written reward"
+            console.print(f"[bold]email_search[/]: a LangGraph email agent on {settings.base_model}, "
+                          f"{mailbox.size} emails, trained on {source}; "
+                          f"{settings.steps} steps x {settings.groups} questions x {settings.rollouts} rollouts")
+            return await learn(model, play, measure=measure, train_tasks=train_questions, eval_tasks=eval_questions,
+                               settings=settings, console=console, title="email_search: inbox question answering")
+
+
+def main(argv: list[str] | None = None) -> LearningResult:
+    """``python -m examples.email_search [--steps N --judge MODEL ...]``."""
+    import asyncio
+
+    settings = parse_settings("Train a LangGraph email-search agent (search_inbox, read_email, return_answer) "
+                              "with GRPO.", DEFAULTS, argv)
+    return asyncio.run(run(settings))
