@@ -27,6 +27,7 @@ from ..engines.base import Engine
 from ..errors import ConfigError, LifecycleError
 from .app import create_app
 from .control import GatewayControl
+from .health import EngineHealth
 from .metrics import GatewayMetrics
 from .records import RecordStore
 from .settings import GatewaySettings
@@ -60,6 +61,7 @@ class Gateway:
         control: the training handshake (``pause_for_training`` / ``resume_after_training``).
         records: the record store.
         metrics: the counters served at ``/metrics``.
+        health: the engine's health, checked every second in the background and served at ``/health``.
         app: the FastAPI app.
     """
 
@@ -73,7 +75,9 @@ class Gateway:
             fsync=self.settings.fsync_records)
         self.control = GatewayControl(engine)
         self.metrics = GatewayMetrics()
-        self.app = create_app(engine, self.settings, self.records, control=self.control, metrics=self.metrics)
+        self.health = EngineHealth(engine)
+        self.app = create_app(engine, self.settings, self.records, control=self.control, metrics=self.metrics,
+                              health=self.health)
         self._state = _State.NEW
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task[None] | None = None
@@ -107,6 +111,7 @@ class Gateway:
             # idle connection's timer fires at once (seen: 4 of 8 requests hung until the client timeout).
             timeout_keep_alive=75,
         )
+        await self.health.start()  # the first report, so /health answers from the start without waiting
         server = _EmbeddedServer(config)
         self._server = server
         self._task = asyncio.create_task(server.serve(sockets=[self._socket]), name="art-gateway")
@@ -114,6 +119,7 @@ class Gateway:
             if self._task.done():
                 self._socket.close()
                 self._state = _State.CLOSED
+                await self.health.aclose()
                 error = self._task.exception()
                 raise LifecycleError(
                     f"the gateway failed to start on {self.settings.host}:{self._port}: {error}") from error
@@ -152,6 +158,7 @@ class Gateway:
         if was_started and self._server is not None and self._task is not None:
             self._server.should_exit = True
             await self._task
+        await self.health.aclose()
         if self._socket is not None:
             self._socket.close()
 
