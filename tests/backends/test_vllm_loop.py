@@ -246,8 +246,12 @@ async def test_vllm_dying_mid_rollout_names_its_log_and_keeps_the_step_on_disk(
     assert "adapter_load_error" in (await model.history())[-1]
     # The gateway stays paused: a request waits instead of being answered by checkpoint 3.
     assert (await _health(model))["state"] == "paused"
-    client = AsyncOpenAI(base_url=model.base_url, api_key="local", max_retries=0)
-    with pytest.raises(asyncio.TimeoutError):
-        await asyncio.wait_for(client.chat.completions.create(model=model.name, messages=question, max_tokens=4), 2.0)
+    client = AsyncOpenAI(base_url=model.rollout_base_url("held"), api_key="local", max_retries=0)
+    held = asyncio.create_task(client.chat.completions.create(model=model.name, messages=question, max_tokens=4))
+    while not model.rollout_status("held").unanswered:  # the gateway has it, and holds it
+        assert not held.done(), held
+        await asyncio.sleep(0.01)
+    assert not held.done() and model.rollout_status("held").gateway == "paused"
+    held.cancel()
     with pytest.raises(EngineError, match="does not serve checkpoint 0004"):
         await model.sample(question, max_tokens=4)
