@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -71,9 +72,16 @@ async def _served_models(model: TrainableModel) -> list[str]:
         return [m["id"] for m in (await http.get(f"{model.base_url}/models")).json()["data"]]
 
 
-async def _health(model: TrainableModel) -> dict[str, Any]:
-    async with httpx.AsyncClient(trust_env=False) as http:
-        return (await http.get(model.base_url.removesuffix("/v1") + "/health")).json()
+async def _health(model: TrainableModel, *, fresh: bool = False) -> dict[str, Any]:
+    """The gateway's ``/health``. Its engine part is the engine's last background check (about a second old at
+    most): ``fresh`` waits for a check made after this call began, to see what the test just did."""
+    asked = time.monotonic()
+    async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
+        while True:
+            reply = await http.get(model.base_url.removesuffix("/v1") + "/health")
+            if not fresh or float(reply.headers["x-art-health-age"]) <= time.monotonic() - asked:
+                return reply.json()
+            await asyncio.sleep(0.05)
 
 
 async def test_three_steps_through_a_langgraph_group(served: tuple[TrainableModel, LocalBackend]) -> None:
@@ -101,7 +109,7 @@ async def test_three_steps_through_a_langgraph_group(served: tuple[TrainableMode
         assert metrics["sampler_logprob_max_abs_diff"] <= 1e-3
     served_names = await _served_models(model)
     assert "agent@3" in served_names and "agent@2" not in served_names
-    engine = (await _health(model))["engine"]
+    engine = (await _health(model, fresh=True))["engine"]
     # On CPU the adapter is merged into vLLM's weights (VLLMOptions.adapters="auto"): checkpoint 3's.
     assert engine["adapters"] == "merged" and engine["adapter_step"] == 3 and engine["model"] == "base"
     assert [row["step"] for row in await model.history()] == [1, 2, 3]
