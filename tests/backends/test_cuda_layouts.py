@@ -52,8 +52,13 @@ def gpu_model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 async def _health(model: TrainableModel) -> dict:
-    async with httpx.AsyncClient(trust_env=False) as http:
-        return (await http.get(model.base_url.removesuffix("/v1") + "/health")).json()
+    """The gateway's ``/health``, with ``engine`` asked of the engine now (the route serves the engine's last
+    background check, up to about a second old: a short sleep would slip between two checks)."""
+    async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
+        health = (await http.get(model.base_url.removesuffix("/v1") + "/health")).json()
+    backend = model.backend
+    assert isinstance(backend, LocalBackend)
+    return {**health, "engine": await backend.gateway(model.spec).engine.health()}
 
 
 async def _group(model: TrainableModel) -> TrajectoryGroup:

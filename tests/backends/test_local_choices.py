@@ -90,12 +90,17 @@ async def test_sample_waits_for_a_step_and_shares_the_engine_queue(tiny_model_di
                                                                        max_tokens=6) for _ in range(3)))
         assert all(c.adapter_step == 0 for trajectories in before[:3] for t in trajectories for c in t.calls)
         train = asyncio.create_task(model.train([_group()], config=TrainConfig(learning_rate=1e-2)))
-        await asyncio.sleep(0)  # the step starts and pauses the engine
+        while model.rollout_status("beside").gateway != "paused":  # the step has paused the gateway and engine
+            assert not train.done(), train
+            await asyncio.sleep(0.01)
         during = await model.sample(question, n=2, max_tokens=6)
         await train
         assert model.step == 1 and all(t.calls[0].adapter_step == 1 for t in during)  # it waited for the step
-        health = await _health(model)
-        assert health["engine"]["queued"] == 0 and health["state"] == "serving"
+        # /health reports the engine as of its last background check (at most about a second old): wait for one
+        # taken after the sample was answered.
+        while (health := await _health(model))["engine"]["queued"]:
+            await asyncio.sleep(0.05)
+        assert health["state"] == "serving"
 
 
 async def _health(model: TrainableModel) -> dict:

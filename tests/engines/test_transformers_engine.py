@@ -81,9 +81,12 @@ async def test_concurrent_requests_share_batches(engine):
 
 async def test_requests_wait_while_paused(engine):
     await engine.pause()
+    steps = engine.stats["steps"]
     task = asyncio.create_task(engine.generate(PROMPTS[0], SamplingParams(max_tokens=4)))
-    await asyncio.sleep(0.3)
-    assert not task.done()  # waiting, not failed
+    while not (await engine.health())["queued"]:  # the engine has the request
+        assert not task.done(), task
+        await asyncio.sleep(0.01)
+    assert not task.done() and engine.stats["steps"] == steps  # waiting, not failed, nothing decoded
     await engine.resume()
     (out,) = await asyncio.wait_for(task, 60)
     assert out.token_ids

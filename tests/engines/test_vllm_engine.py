@@ -239,13 +239,17 @@ async def test_pause_drains_then_holds_requests_until_resume(engine: Any) -> Non
     prompt = chat_prompt(engine, "Tell me a story.")
     params = SamplingParams(max_tokens=32, temperature=0.0)
     in_flight = asyncio.create_task(engine.generate(prompt, params))
-    await asyncio.sleep(0.2)  # let it reach the server
+    while not (await engine.health())["in_flight"]:  # it is on its way to the server
+        assert not in_flight.done(), in_flight
+        await asyncio.sleep(0.01)
     await engine.pause()
     assert in_flight.done()  # pause() returned only after it finished
 
     held = asyncio.create_task(engine.generate(prompt, params))
-    await asyncio.sleep(2.0)
-    assert not held.done() and (await engine.health())["paused"]
+    for _ in range(10):  # the call runs up to where it waits (no I/O before it): it must wait there
+        await asyncio.sleep(0)
+    health = await engine.health()
+    assert not held.done() and health["paused"] and health["in_flight"] == 0
     await engine.resume()
     out, = await asyncio.wait_for(held, timeout=120)
     assert out.token_ids == (await in_flight)[0].token_ids

@@ -35,6 +35,12 @@ class FakeEngine:
         tokenizer: the real tokenizer (its chat template renders the prompts).
         reply: the text, or ``f(prompt_ids, params, choice_index) -> text``.
         delay: seconds to sleep per call, or a function returning them.
+
+    Attributes:
+        gate: when set to an ``asyncio.Event``, each call waits inside the engine until the test sets it (holds
+            "a call in progress" for as long as the test needs, with no guess at how long anything takes).
+        health_gate: the same for ``health()``: it waits until the test sets it (an engine whose own health
+            check is stuck, as a saturated server's is).
     """
 
     def __init__(
@@ -47,6 +53,9 @@ class FakeEngine:
         self.calls: list[tuple[list[int], SamplingParams]] = []
         self.paused = False
         self.fail_with: Exception | None = None
+        self.gate: asyncio.Event | None = None
+        self.health_gate: asyncio.Event | None = None
+        self.health_calls = 0
 
     @property
     def adapter_step(self) -> int:
@@ -59,6 +68,8 @@ class FakeEngine:
         delay = self.delay() if callable(self.delay) else self.delay
         if delay:
             await asyncio.sleep(delay)
+        if self.gate is not None:
+            await self.gate.wait()
         if self.fail_with is not None:
             raise self.fail_with
         outputs = []
@@ -87,6 +98,9 @@ class FakeEngine:
         self.paused = False
 
     async def health(self) -> dict[str, Any]:
+        self.health_calls += 1
+        if self.health_gate is not None:
+            await self.health_gate.wait()
         return {"ok": True}
 
     async def aclose(self) -> None:

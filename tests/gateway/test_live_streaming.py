@@ -52,8 +52,9 @@ def steps(gateway: Gateway) -> int:
     return int(gateway.engine.stats["steps"])  # type: ignore[attr-defined]
 
 
-async def rows_freed(gateway: Gateway, timeout: float = 5.0) -> bool:
-    """Whether the engine's batch empties within ``timeout`` seconds."""
+async def rows_freed(gateway: Gateway, timeout: float = 120.0) -> bool:
+    """Whether the engine's batch empties within ``timeout`` seconds (a bound for a hang: on a loaded machine the
+    decode thread may take seconds to reach its next step)."""
     for _ in range(int(timeout / 0.02)):
         if gateway.engine.running_rows == 0:  # type: ignore[attr-defined]
             return True

@@ -10,6 +10,7 @@ step then trains on those trajectories from their records alone (no re-rendering
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from langchain_openai import ChatOpenAI
 from langgraph.prebuilt import create_react_agent
 from transformers import AutoModelForCausalLM
 
-from art_core import CallRecord, LocalBackend, TrainableModel, Trajectory, TrajectoryGroup
+from art_core import CallRecord, LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
 from art_plugins import _routing
 from art_plugins.langgraph import NoTrainableCallsError, trainable
 from art_plugins.openai_agents import TrainableRunner
@@ -123,19 +124,34 @@ async def test_a_grpo_step_trains_on_the_cut_trajectories(model: TrainableModel)
 
 async def test_a_rollout_cut_before_its_first_token_says_why_there_is_nothing_to_train(model: TrainableModel):
     # A training step holds the gateway: the rollout's call waits, and its timeout cuts it before any token.
+    # The step is held mid-way by its progress callback (called from the training thread after each
+    # micro-batch), which waits for the test to release it: however fast the trainer, the step is still
+    # running, and the gateway still paused, when the rollout's call arrives and is cut.
     prompt, completion = list(range(100, 500)), list(range(2000, 2400))
     busy = TrajectoryGroup(Trajectory(calls=[CallRecord(prompt_token_ids=prompt, completion_token_ids=completion)],
                                       reward=float(i % 2)) for i in range(8))
-    training = asyncio.create_task(model.train([busy]))
-    await asyncio.sleep(0.3)  # the step has paused the gateway
-    llm = ChatOpenAI(model=NAME, base_url=f"http://127.0.0.1:9/{uuid.uuid4().hex[:8]}/v1", api_key="unused")
-    graph = create_react_agent(llm, [add], prompt="Solve it with the tools.")
-    with pytest.raises(NoTrainableCallsError, match=r"sent 1 call\(s\) to the trainable model, but none completed "
-                                                    r"with a sampled token: 1 recorded with no token sampled.*"
-                                                    r"raise timeout="):
-        await trainable(graph, model, timeout=0.5).rollout({"messages": [("user", "What is 2 + 2?")]})
-    assert not training.done(), "the training step ended before the cut: make it longer"
-    await training
+    in_step, release = threading.Event(), threading.Event()
+
+    def hold(done: int, total: int) -> None:
+        in_step.set()
+        release.wait()
+
+    training = asyncio.create_task(model.backend.train(model.spec, [busy], TrainConfig(), progress=hold))
+    try:
+        while not in_step.is_set():  # the step has paused the gateway and finished a micro-batch
+            assert not training.done(), training
+            await asyncio.sleep(0.01)
+        llm = ChatOpenAI(model=NAME, base_url=f"http://127.0.0.1:9/{uuid.uuid4().hex[:8]}/v1", api_key="unused")
+        graph = create_react_agent(llm, [add], prompt="Solve it with the tools.")
+        with pytest.raises(NoTrainableCallsError, match=r"sent 1 call\(s\) to the trainable model, but none "
+                                                        r"completed with a sampled token: 1 recorded with no token "
+                                                        r"sampled.*raise timeout="):
+            await trainable(graph, model, timeout=0.5).rollout({"messages": [("user", "What is 2 + 2?")]})
+        assert not training.done()  # held by the test until here
+    finally:
+        release.set()
+    result = await training
+    assert result.metrics["trained"] == 1.0
 
 
 async def test_a_call_cut_before_it_reached_the_gateway_is_not_waited_for(model: TrainableModel):

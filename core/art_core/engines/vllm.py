@@ -123,6 +123,10 @@ class VLLMEngine:
         # Requests in flight per served model name, so an old adapter is unloaded only once they finish.
         self._in_flight: dict[str, int] = {}
         self._retired: set[str] = set()
+        # health()'s probe of vLLM's /health runs beside it, one at a time: a server busy decoding a full batch
+        # answers late, and health() (the gateway polls it every second) must not wait for that.
+        self._answered = True  # the last probe's answer (start() waited for /health to answer)
+        self._probe: asyncio.Task[None] | None = None
 
     # ----------------------------------------------------------------------------------------- start / stop
 
@@ -284,6 +288,10 @@ class VLLMEngine:
             return
         self._state = _State.CLOSED
         self._open.set()  # requests held by pause() wake up and fail with LifecycleError instead of hanging
+        if self._probe is not None:
+            self._probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe
         await self._client.aclose()
         # The group's id is our child's pid. It cannot name anyone else's group even after the leader
         # exits: Linux does not reuse a pid while a process group of that id exists.
@@ -497,11 +505,16 @@ class VLLMEngine:
     async def health(self) -> dict[str, Any]:
         """``pid``, ``port``, ``adapter_step``, ``model`` (the name requests are served under: ``step-N``, or
         ``base`` when adapters are merged), ``adapters``, ``alive`` (process running and ``/health`` answering),
-        ``sleeping``, ``log_path``, and more."""
-        alive = False
-        if self._state is _State.RUNNING and self.process.poll() is None:
-            with contextlib.suppress(httpx.HTTPError):
-                alive = (await self._client.get("/health", timeout=5.0)).status_code == 200
+        ``sleeping``, ``log_path``, and more.
+
+        Never waits on the server: ``alive`` is the process's state now and the answer of the last probe of
+        ``/health``, which runs in the background (each call starts the next one when none is running, so
+        the answer is at most one call old); a probe that does not answer within 5 s counts as not alive.
+        """
+        running = self._state is _State.RUNNING and self.process.poll() is None
+        if running and (self._probe is None or self._probe.done()):
+            self._probe = asyncio.get_running_loop().create_task(self._probe_health(), name="art-vllm-health")
+        alive = running and self._answered
         return {
             "pid": self.process.pid,
             "port": self.port,
@@ -514,6 +527,12 @@ class VLLMEngine:
             "in_flight": sum(self._in_flight.values()),
             "log_path": str(self.log_path),
         }
+
+    async def _probe_health(self) -> None:
+        answered = False
+        with contextlib.suppress(httpx.HTTPError):
+            answered = (await self._client.get("/health", timeout=5.0)).status_code == 200
+        self._answered = answered
 
     # ----------------------------------------------------------------------------------------- HTTP
 

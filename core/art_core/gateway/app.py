@@ -18,7 +18,12 @@ Routes:
     GET  /rollouts/{rollout_id}/records       that rollout's exchange records, oldest first (JSON list)
     GET  /rollouts/{rollout_id}/status        its calls received and not answered yet (``wire.RolloutStatus``)
     GET  /metrics                             counters (JSON)
-    GET  /health                              gateway state and the engine's health
+    GET  /health                              gateway state and the engine's health (as last checked)
+
+``/health`` and ``/metrics`` never wait on the engine: they answer from state the gateway holds, the engine's
+part from the report ``health.py`` refreshes every second in the background, whose age in seconds is the
+``X-Art-Health-Age`` header of ``/health`` and ``engine_health_age_s`` of ``/metrics``. Monitoring polls them
+hardest when the engine is saturated, and then its own health check is slow (see health.py).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import inspect
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..engines.base import Engine
@@ -35,6 +41,7 @@ from .auth import BearerAuth
 from .chat_template import ChatTemplate
 from .control import GatewayControl
 from .errors import error_response, install_error_handlers
+from .health import EngineHealth
 from .metrics import GatewayMetrics
 from .prompt_encoder import PromptEncoder
 from .records import RecordStore
@@ -59,6 +66,7 @@ def create_app(
     *,
     control: GatewayControl | None = None,
     metrics: GatewayMetrics | None = None,
+    health: EngineHealth | None = None,
 ) -> FastAPI:
     """Build the gateway's ASGI app (``Gateway`` serves it; tests may mount it directly).
 
@@ -68,6 +76,8 @@ def create_app(
         records: where exchanges are recorded. Default: a new ``RecordStore`` from ``settings``.
         control: pause/resume for training. Default: a new ``GatewayControl(engine)``.
         metrics: counters. Default: new ones.
+        health: the engine's health, checked in the background. Default: a new ``EngineHealth(engine)``,
+            started by the first ``/health`` or ``/metrics`` request.
 
     Returns:
         The app; its shared state is ``app.state.gateway`` (a ``GatewayState``).
@@ -83,6 +93,7 @@ def create_app(
         detokenizer=Detokenizer(engine.tokenizer),
         prompt_encoder=PromptEncoder(engine.tokenizer),
         chat_template=ChatTemplate(engine.tokenizer),
+        health=health if health is not None else EngineHealth(engine),
     )
     app = _GatewayApp(title="art-core gateway", docs_url=None, redoc_url=None, openapi_url=None,
                       **_NO_NATIVE_TELEMETRY)
@@ -105,13 +116,19 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics_route(state: GatewayState = Depends(get_state)) -> dict[str, Any]:
+        assert state.health is not None  # create_app always gives one
+        _, age = state.health.report()
         return {**state.metrics.snapshot(), "in_flight": state.control.in_flight, "state": state.control.state,
-                "adapter_step": state.engine.adapter_step}
+                "adapter_step": state.engine.adapter_step, "engine_health_age_s": age}
 
     @app.get("/health")
-    async def health(state: GatewayState = Depends(get_state)) -> dict[str, Any]:
-        return {"state": state.control.state, "adapter_step": state.engine.adapter_step,
-                "engine": await state.engine.health()}
+    async def health_route(state: GatewayState = Depends(get_state)) -> JSONResponse:
+        assert state.health is not None
+        # Waits only for a gateway's very first check, when it was never started (mounted by a host app).
+        report, age = await state.health.first_report()
+        headers = {"X-Art-Health-Age": f"{age:.3f}"} if age is not None else None
+        return JSONResponse({"state": state.control.state, "adapter_step": state.engine.adapter_step,
+                             "engine": report}, headers=headers)
 
     # Added innermost first: Starlette wraps each new middleware around the ones before it.
     app.add_middleware(_BodyLimit, max_bytes=settings.max_request_bytes)

@@ -23,6 +23,7 @@ from ..engines.base import Engine
 from ..errors import ConfigError, LifecycleError
 from .app import create_app
 from .control import GatewayControl
+from .health import EngineHealth
 from .listen import EmbeddedServer, bind, start_server
 from .metrics import GatewayMetrics
 from .records import RecordStore
@@ -50,6 +51,7 @@ class Gateway:
         control: the training handshake (``pause_for_training`` / ``resume_after_training``).
         records: the record store.
         metrics: the counters served at ``/metrics``.
+        health: the engine's health, checked every second in the background and served at ``/health``.
         app: the FastAPI app.
     """
 
@@ -63,7 +65,9 @@ class Gateway:
             fsync=self.settings.fsync_records)
         self.control = GatewayControl(engine)
         self.metrics = GatewayMetrics()
-        self.app = create_app(engine, self.settings, self.records, control=self.control, metrics=self.metrics)
+        self.health = EngineHealth(engine)
+        self.app = create_app(engine, self.settings, self.records, control=self.control, metrics=self.metrics,
+                              health=self.health)
         self._state = _State.NEW
         self._server: EmbeddedServer | None = None
         self._task: asyncio.Task[None] | None = None
@@ -92,9 +96,14 @@ class Gateway:
             self._state = _State.CLOSED
             return LifecycleError(f"the gateway failed to start on {self.settings.host}:{self._port}: {error}")
 
-        self._server, self._task = await start_server(
-            self.app, self._socket, failed=failed,
-            proxy_headers=False)  # nothing reads the client's address; saves a layer on every request
+        await self.health.start()  # the first report, so /health answers from the start without waiting
+        try:
+            self._server, self._task = await start_server(
+                self.app, self._socket, failed=failed,
+                proxy_headers=False)  # nothing reads the client's address; saves a layer on every request
+        except BaseException:
+            await self.health.aclose()
+            raise
         self._state = _State.STARTED
         return self
 
@@ -129,6 +138,7 @@ class Gateway:
         if was_started and self._server is not None and self._task is not None:
             self._server.should_exit = True
             await self._task
+        await self.health.aclose()
         if self._socket is not None:
             self._socket.close()
 

@@ -10,6 +10,7 @@ from fastapi import Request
 from ..engines.base import Engine, routing_key
 from .control import GatewayControl
 from .errors import APIError
+from .health import EngineHealth
 from .metrics import GatewayMetrics
 from .records import RecordStore
 from .settings import GatewaySettings
@@ -49,6 +50,8 @@ class GatewayState:
     prompt_encoder: PromptEncoder
     chat_template: ChatTemplate | None = None
     """Renders prompts with the per-tokenizer work done once (None: ``apply_chat_template`` each time)."""
+    health: EngineHealth | None = None
+    """The engine's last health report, refreshed in the background (``/health`` never waits on the engine)."""
 
 
 async def get_state(request: Request) -> GatewayState:
