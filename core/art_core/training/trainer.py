@@ -16,13 +16,14 @@ from typing import Any
 
 import torch
 
-from ..config import LoraSettings, TrainConfig
-from ..errors import CheckpointError, ConfigError, TrainingError, TrajectoryError
+from ..config import TrainConfig
+from ..errors import TrainingError, TrajectoryError
 from ..types import TrajectoryGroup
 from .advantages import compute_group_advantages
 from .batching import plan_micro_batches
 from .distributed import StepSync
 from .forward import SharedPrefix, micro_batch_logprobs
+from .loading import load_policy  # re-exported: its home before training/loading.py
 from .losses import LossInputs, build_loss
 from .samples import Sample, trajectory_samples
 
@@ -100,39 +101,6 @@ class _StepStats:
         return {"losses": losses, "grad_norm": grad, "entropy": entropy, "sampler_diff": diff,
                 "sampler_tokens": known, "sampler_max": sampler_max, "ratio_max": ratio_max, "ratio_min": ratio_min,
                 **dict(zip(keys, sums, strict=True))}
-
-
-def load_policy(base_dir: Path, lora: LoraSettings, *, device: str, adapter_dir: Path | None = None) -> tuple[Any, Any]:
-    """Load the base model with a trainable LoRA adapter (fresh, or from ``adapter_dir``).
-
-    Returns:
-        (peft_model, tokenizer)
-    """
-    from peft import LoraConfig, PeftModel, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32  # CPUs are slow at bf16 matmuls
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype).to(device)
-    if adapter_dir is None:
-        config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                            target_modules=_present_modules(base, lora.target_modules), task_type="CAUSAL_LM")
-        model = get_peft_model(base, config)
-    else:
-        try:
-            model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
-        except Exception as exc:
-            raise CheckpointError(f"cannot load the adapter in {adapter_dir} onto {base_dir}: {exc}") from exc
-    return model, tokenizer
-
-
-def _present_modules(model: torch.nn.Module, wanted: list[str]) -> list[str]:
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    present = [m for m in wanted if m in names]
-    if not present:
-        raise ConfigError(f"none of the LoRA target modules {wanted} exist in this model; "
-                          f"its linear layers include {sorted(n for n in names if n.endswith('proj'))}")
-    return present
 
 
 class GRPOTrainer:
