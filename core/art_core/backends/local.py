@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .._ownership import torch_threads
 from .._threads import TRAINING
 from ..config import TrainConfig
 from ..engines.base import SamplingParams
@@ -392,13 +393,5 @@ class LocalBackend:
             raise LifecycleError("this LocalBackend is closed; create a new one")
 
     def _with_threads(self, fn: Callable[[], T]) -> T:
-        if self.num_threads is None:
+        with torch_threads(self.num_threads):  # scoped: restored after, also when two models step at once
             return fn()
-        import torch
-
-        before = torch.get_num_threads()
-        torch.set_num_threads(self.num_threads)
-        try:
-            return fn()
-        finally:
-            torch.set_num_threads(before)
