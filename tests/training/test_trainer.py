@@ -88,6 +88,43 @@ def test_zero_variance_groups_are_dropped_and_reported(tiny_model_dir):
     assert metrics["trained"] == 0  # nothing to learn: no update
 
 
+@torch.no_grad()
+def _token_logprobs(model, completion: list[int]) -> list[float]:
+    ids = torch.tensor([PROMPT + completion])
+    logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+    targets = ids[0, 1:]
+    return logp[torch.arange(len(targets)), targets][len(PROMPT) - 1:].tolist()
+
+
+def _sampled_group(model, offset: float, step: int) -> TrajectoryGroup:
+    """``_group()`` as an adapter at ``step`` sampled it: the sampler's log-probs are the model's own + ``offset``."""
+    return TrajectoryGroup(
+        Trajectory(id=f"t{i}", reward=1.0 if i == 0 else 0.0, calls=[CallRecord(
+            prompt_token_ids=PROMPT, completion_token_ids=c, adapter_step=step,
+            logprobs=[lp + offset for lp in _token_logprobs(model, c)])])
+        for i, c in enumerate(COMPLETIONS))
+
+
+def test_off_policy_samples_take_the_ratio_against_their_sampler(tiny_model_dir):
+    """Data an older adapter sampled is weighed by pi / pi_sampler (here exp(0.1) per token, as the sampler's
+    log-probs are 0.1 below the module's), and truncated IS has nothing left to correct (weight 1). Without
+    ``policy_step`` the same data is on-policy: ratio exactly 1, and TIS weighs each token by exp(0.1)."""
+    model, tokenizer = load_policy(tiny_model_dir, LoraSettings(), device="cpu")
+    trainer = GRPOTrainer(model, tokenizer)
+    config = TrainConfig(learning_rate=1e-9)  # the tiniest update: the second call sees the same module
+    off = trainer.train_step([_sampled_group(model, -0.1, step=0)], config, policy_step=1)
+    assert off["samples_off_policy"] == 4
+    assert off["ratio_mean"] == pytest.approx(math.exp(0.1), abs=1e-4)
+    assert off["ratio_min"] == pytest.approx(math.exp(0.1), abs=1e-4)
+    assert off["is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    on = trainer.train_step([_sampled_group(model, -0.1, step=0)], config)
+    assert on["samples_off_policy"] == 0
+    assert on["ratio_mean"] == on["ratio_max"] == on["ratio_min"] == 1.0
+    assert on["is_weight_mean"] == pytest.approx(math.exp(0.1), abs=1e-4)
+    current = trainer.train_step([_sampled_group(model, -0.1, step=1)], config, policy_step=1)
+    assert current["samples_off_policy"] == 0 and current["ratio_mean"] == 1.0  # sampled by the current step
+
+
 async def test_checkpoint_round_trip_and_resume(tiny_model_dir, tmp_path):
     torch.manual_seed(0)
     model = TrainableModel(name="rt", base_model=tiny_model_dir)

@@ -24,7 +24,7 @@ from ..errors import TrajectoryError
 from ..messages import template_messages
 from ..types import CallRecord, History, Trajectory
 
-__all__ = ["Sample", "trajectory_samples"]
+__all__ = ["Sample", "attribute_behaviour", "trajectory_samples"]
 
 NAN = float("nan")
 
@@ -113,6 +113,25 @@ def trajectory_samples(trajectory: Trajectory, tokenizer: Any | None = None) -> 
             "Make sure the rollout called the trainable model (through the gateway), or drop this trajectory."
         )
     return samples
+
+
+def attribute_behaviour(samples: list[Sample], policy_step: int) -> int:
+    """Give the samples drawn by an adapter older than ``policy_step`` their sampler's log-probs as behaviour log-probs.
+
+    Such samples are off-policy: the module has moved on since they were sampled, so the loss's ratio must be taken
+    against the policy that sampled them, whose log-probs the engine reported with each token. A sample of an unknown
+    step, of the current one, or with behaviour log-probs already is left as it is.
+
+    Returns:
+        How many samples were attributed.
+    """
+    attributed = 0
+    for sample in samples:
+        step = sample.sampling_step
+        if sample.behaviour_logprobs is None and step is not None and step < policy_step:
+            sample.behaviour_logprobs = list(sample.sampler_logprobs)  # NaN where the engine gave none
+            attributed += 1
+    return attributed
 
 
 def _samples_from_calls(trajectory_id: str, calls: list[CallRecord]) -> list[Sample]:

@@ -35,7 +35,7 @@ from .forward import SharedPrefix, micro_batch_logprobs
 from .loading import load_policy  # re-exported: its home before training/loading.py
 from .losses import LossInputs
 from .objectives import GRPOObjective, Objective, Weights
-from .samples import Sample, trajectory_samples
+from .samples import Sample, attribute_behaviour, trajectory_samples
 from .step_stats import StepStats, step_metrics
 
 __all__ = ["GRPOTrainer", "ZeroVarianceGroupsWarning", "check_config", "load_policy"]
@@ -98,7 +98,7 @@ class GRPOTrainer:
 
     def train_step(self, groups: Sequence[TrajectoryGroup], config: TrainConfig, *,
                    progress: Progress | None = None, sync: StepSync | None = None,
-                   objective: Objective | None = None) -> StepMetrics:
+                   objective: Objective | None = None, policy_step: int | None = None) -> StepMetrics:
         """Run one optimizer step on ``groups``.
 
         Args:
@@ -108,6 +108,9 @@ class GRPOTrainer:
             sync: when several ranks share the step (``training/distributed.py``): sums the sequence and
                 token counts and the gradients over the ranks. Default: None (this process alone).
             objective: what the step optimises. Default: ``GRPOObjective.from_config(config)``.
+            policy_step: the adapter step the module is at. Samples an older adapter sampled (their records'
+                ``adapter_step``) are then off-policy, and their sampler's log-probs are their behaviour log-probs
+                (``samples.attribute_behaviour``). Default: None, every sample counts as on-policy.
 
         Returns:
             The step's metrics. ``trained`` is 0.0 when every group was dropped (no update was made).
@@ -123,7 +126,7 @@ class GRPOTrainer:
             # 1. advantages: the objective weighs each trajectory from the rewards (GRPO drops groups that teach nothing)
             weights = _weigh(groups, objective)
             # 2. samples: token-exact from the records, each with its weight, behaviour log-probs and sampling step
-            sample_groups = self._samples(groups, weights, config)
+            sample_groups = self._samples(groups, weights, config, policy_step)
             metrics = _group_metrics(groups, weights, sample_groups, config)
             work = self._plan(sample_groups, config, sync)
             if not work.num_sequences:
@@ -144,9 +147,10 @@ class GRPOTrainer:
                        seconds_optimizer=t_end - t_backward, seconds_total=t_end - t_start)
         return metrics
 
-    def _samples(self, groups: Sequence[TrajectoryGroup], weights: Weights,
-                 config: TrainConfig) -> list[list[Sample]]:
-        """The samples of every kept group (one list per kept group), each carrying its trajectory's weight."""
+    def _samples(self, groups: Sequence[TrajectoryGroup], weights: Weights, config: TrainConfig,
+                 policy_step: int | None) -> list[list[Sample]]:
+        """The samples of every kept group (one list per kept group), each carrying its trajectory's weight, and
+        its behaviour log-probs when it is older than ``policy_step``."""
         sample_groups: list[list[Sample]] = []
         for gi, (group, group_weights) in enumerate(zip(groups, weights.per_group)):
             if group_weights is None:
@@ -161,6 +165,8 @@ class GRPOTrainer:
                             "or shorten the rollout")
                     sample.advantage, sample.group_index = weight, gi
                     samples.append(sample)
+            if policy_step is not None:
+                attribute_behaviour(samples, policy_step)
             sample_groups.append(samples)
         return sample_groups
 
