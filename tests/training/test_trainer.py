@@ -125,6 +125,21 @@ def test_off_policy_samples_take_the_ratio_against_their_sampler(tiny_model_dir)
     assert current["samples_off_policy"] == 0 and current["ratio_mean"] == 1.0  # sampled by the current step
 
 
+def test_readme_off_policy_example_runs(tiny_model_dir, capsys):
+    """The README's ``train_step`` example, run on the tiny model with groups an adapter at step 0 sampled."""
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("What phases 1 and 3 compute"):]
+    start = section.index("```python\n") + len("```python\n")
+    model, _ = load_policy(tiny_model_dir, LoraSettings(), device="cpu")
+    groups = [_sampled_group(model, -0.1, step=0)]
+    exec(section[start:section.index("```\n", start)],
+         {"base_dir": tiny_model_dir, "lora": LoraSettings(), "groups": groups})
+    off_policy, ratio = capsys.readouterr().out.split()
+    assert float(off_policy) == 4 and float(ratio) == pytest.approx(math.exp(0.1), abs=1e-4)
+
+
 async def test_checkpoint_round_trip_and_resume(tiny_model_dir, tmp_path):
     torch.manual_seed(0)
     model = TrainableModel(name="rt", base_model=tiny_model_dir)
