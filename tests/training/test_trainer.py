@@ -125,6 +125,37 @@ def test_off_policy_samples_take_the_ratio_against_their_sampler(tiny_model_dir)
     assert current["samples_off_policy"] == 0 and current["ratio_mean"] == 1.0  # sampled by the current step
 
 
+def test_another_objective_runs_through_the_same_step(tiny_model_dir):
+    """The step's loop is not GRPO's: a supervised objective (NLL of the sampled tokens, every group kept, even
+    with equal rewards) plugs in as an ``Objective`` and raises the likelihood of what it trains on."""
+    from art_core.training.losses import LossInputs, LossOutput
+    from art_core.training.objectives import Objective, Weights
+
+    class NextTokenLoss:
+        name, reference = "nll", False
+
+        def weigh(self, groups):
+            return Weights(per_group=[[1.0] * len(g) for g in groups], dropped=[])
+
+        def __call__(self, inputs: LossInputs) -> LossOutput:
+            nll = -(inputs.logprobs * inputs.mask).sum() / inputs.num_tokens
+            return LossOutput(loss=nll, stats={"tokens": inputs.mask.sum()})
+
+    assert isinstance(NextTokenLoss(), Objective)
+    torch.manual_seed(0)
+    model, tokenizer = load_policy(tiny_model_dir, LoraSettings(), device="cpu")
+    trainer = GRPOTrainer(model, tokenizer)
+    flat = TrajectoryGroup(t.model_copy(update={"reward": 0.5}) for t in _group())  # GRPO would drop it
+    before = _sequence_logprob(model, COMPLETIONS[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ZeroVarianceGroupsWarning)
+        for _ in range(3):
+            metrics = trainer.train_step([flat], TrainConfig(learning_rate=1e-2), objective=NextTokenLoss())
+    assert metrics["trained"] == 1.0 and metrics["groups_dropped"] == 0 and metrics["samples"] == 4
+    assert metrics["loss"] > 0
+    assert _sequence_logprob(model, COMPLETIONS[1]) > before
+
+
 def test_readme_off_policy_example_runs(tiny_model_dir, capsys):
     """The README's ``train_step`` example, run on the tiny model with groups an adapter at step 0 sampled."""
     from pathlib import Path
