@@ -32,6 +32,8 @@ mask, as before temperature and top-p): it is what the trainer's forward pass re
 
 When the engine shares its PEFT model with a ``GRPOTrainer`` (``LocalBackend``), a training step
 updates the served weights in place: ``mark_adapter_step`` then records the new step, with no reload.
+The module has one user at a time (``art_core/_ownership.py``): the step may start only while the engine
+is paused, and a decode attempted while the step holds the module fails with an error saying so.
 """
 
 from __future__ import annotations
