@@ -20,13 +20,14 @@ from ._tracing import RoutedCall
 __all__ = ["on_body_end", "routed_call"]
 
 
-def routed_call(response: Any, count_completion: Callable[[str | None], int | None]) -> RoutedCall | None:
+def routed_call(response: Any, count_completion: Callable[[RoutedCall], None]) -> RoutedCall | None:
     """The gateway's facts about the call ``response`` answers (None: not a completion the gateway recorded).
 
     Args:
         response: the httpx (or httpx2) response to a routed call; its body may not have been read yet.
-        count_completion: ``count_completion(request_id)`` reads a streamed call's completion tokens from the
-            gateway's record of it; called once, when the body has ended.
+        count_completion: ``count_completion(call)`` has a streamed call's completion tokens read from the
+            gateway's record of it, then calls ``call.complete(count)`` (at once, or later from a task of the
+            loop when the record is fetched over HTTP); called once, when the body has ended.
     """
     headers = response.headers
     step = headers.get(ADAPTER_STEP_HEADER)
@@ -38,7 +39,7 @@ def routed_call(response: Any, count_completion: Callable[[str | None], int | No
                       completion_tokens=None if completion is None else int(completion))
     if completion is None:
         def counted() -> None:
-            call.complete(count_completion(call.request_id))
+            count_completion(call)
 
         if not on_body_end(response, counted):
             counted()  # the body was read already: the gateway recorded the call before its last chunk

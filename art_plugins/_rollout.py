@@ -28,10 +28,11 @@ from art_core import TrainableModel, Trajectory, TrajectoryGroup
 from art_core.errors import ArtError, ConfigError
 from art_core.rewards import RewardFn, reward_value
 from art_core.trajectories import trajectory_from_records
+from art_core.wire import RolloutStatus
 
 from ._calls import routed_call
 from ._routing import Route, derive_seed, routed, wrappers_installed
-from ._tracing import RolloutInfo, RolloutObserver, Tracer
+from ._tracing import RolloutInfo, RolloutObserver, RoutedCall, Tracer
 
 __all__ = ["NoTrainableCallsError", "RewardFn", "RolloutScope", "check_seed", "current_group_id", "gather_group",
            "score"]
@@ -93,6 +94,7 @@ class RolloutScope:
         """One per tracer, each told what happens to the rollout (see ``art_plugins._tracing``)."""
         self._held: contextlib.ExitStack | None = None  # set by hold(): the run outlives the ``with``
         self._ended = False
+        self._counting: set[asyncio.Task[None]] = set()  # streamed calls' counts being read from their records
 
     @property
     def traced(self) -> bool:
@@ -124,7 +126,14 @@ class RolloutScope:
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
+        await self.counted()
         self.__exit__(exc_type, exc, tb)
+
+    async def counted(self) -> None:
+        """Wait until the streamed calls whose bodies have ended have their completion counts (the tracers get
+        them before the rollout's traces end)."""
+        while self._counting:
+            await asyncio.gather(*self._counting, return_exceptions=True)
 
     def hold(self) -> None:
         """Keep the rollout going past the ``with`` that runs it, until ``release()``: for a run whose task outlives
@@ -158,7 +167,7 @@ class RolloutScope:
     def _on_response(self, response: Any) -> None:
         """Tell the tracers what the gateway said about a routed call (``Route.on_response``; never raises)."""
         try:
-            call = routed_call(response, self._completion_tokens)
+            call = routed_call(response, self._count_completion)
         except Exception as exc:  # a malformed header: the call goes on, untraced
             logger.warning("rollout %s: could not read the gateway's headers of a call: %s", self.rollout_id, exc)
             return
@@ -166,15 +175,40 @@ class RolloutScope:
             for observer in self.observers:
                 observer.on_call(call)
 
-    def _completion_tokens(self, request_id: str | None) -> int | None:
+    def _count_completion(self, call: RoutedCall) -> None:
+        """Read a streamed call's sampled tokens from the gateway's record of it, then ``call.complete(count)``:
+        on the event loop, from a task (the record may come over HTTP: the loop never waits for it); in a thread
+        of synchronous code, there and then."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            call.complete(self._completion_tokens(call.request_id, self.model.rollout_records))
+            return
+
+        async def count() -> None:
+            try:
+                records = await self.model.fetch_rollout_records(self.rollout_id)
+            except Exception as exc:
+                call.complete(self._unread(call.request_id, exc))
+                return
+            call.complete(self._completion_tokens(call.request_id, lambda _: records))
+
+        task = loop.create_task(count())
+        self._counting.add(task)
+        task.add_done_callback(self._counting.discard)
+
+    def _completion_tokens(self, request_id: str | None, read: Callable[[str], list[Any]]) -> int | None:
         """A streamed call's sampled tokens, from the gateway's record of it (None when it cannot be read)."""
         try:
-            records = self.model.rollout_records(self.rollout_id)
+            records = read(self.rollout_id)
         except Exception as exc:  # the trace lacks the count; the rollout goes on
-            logger.warning("rollout %s: could not read the record of call %s: %s", self.rollout_id, request_id, exc)
-            return None
+            return self._unread(request_id, exc)
         record = next((r for r in reversed(records) if r.request_id == request_id), None)
         return len(record.completion_token_ids) if record is not None else None
+
+    def _unread(self, request_id: str | None, exc: Exception) -> None:
+        logger.warning("rollout %s: could not read the record of call %s: %s", self.rollout_id, request_id, exc)
+        return None
 
     async def settle(self, timeout: float = 10.0, *, grace: float = 1.0) -> None:
         """Wait (up to ``timeout`` s) until the gateway has recorded every call it was sent.
@@ -188,15 +222,26 @@ class RolloutScope:
         """
         start = time.monotonic()
         while time.monotonic() - start < timeout:
-            recorded = len(self._recorded_requests())
+            recorded = len({r.request_id for r in await self.model.fetch_rollout_records(self.rollout_id)})
             if recorded >= self.route.calls_to_record and (
                     recorded >= self.route.calls_maybe_recorded or time.monotonic() - start >= grace):
                 return
             await asyncio.sleep(0.01)
 
+    async def fetch_trajectory(self, *, final_state: Any = None, stop_reason: str | None = None,
+                               metadata: dict[str, Any] | None = None) -> Trajectory:
+        """``trajectory``, with the gateway's records fetched without blocking the event loop (the adapters'
+        rollouts use it: with a remote backend the records come over HTTP)."""
+        records = await self.model.fetch_rollout_records(self.rollout_id)
+        status = await self.model.fetch_rollout_status(self.rollout_id) if self._needs_status(records) else None
+        return self._trajectory(records, status, final_state=final_state, stop_reason=stop_reason,
+                                metadata=metadata)
+
     def trajectory(self, *, final_state: Any = None, stop_reason: str | None = None,
                    metadata: dict[str, Any] | None = None) -> Trajectory:
         """The run as a trajectory: histories from the gateway's records, the final state attached.
+
+        It waits for the records in the calling thread; async code should ``await fetch_trajectory(...)``.
 
         Calls cut short are kept with the tokens sampled before the cut (``finish_reason="cancelled"``);
         ``metadata["cancelled_calls"]`` counts them, when there are any. A call cut before its first token carries nothing to
@@ -215,9 +260,22 @@ class RolloutScope:
                 how many the gateway received and never answered, cut, refused).
         """
         records = self.model.rollout_records(self.rollout_id)
+        status = self.model.rollout_status(self.rollout_id) if self._needs_status(records) else None
+        return self._trajectory(records, status, final_state=final_state, stop_reason=stop_reason,
+                                metadata=metadata)
+
+    def _needs_status(self, records: list[Any]) -> bool:
+        """Whether building the trajectory needs the gateway's status: some call has no record (one more round
+        trip on a remote backend, so it is asked only then)."""
+        return (not any(r.completion_token_ids for r in records) or self.route.waiting_calls > 0
+                or len({r.request_id for r in records}) < self.route.calls_maybe_recorded)
+
+    def _trajectory(self, records: list[Any], status: RolloutStatus | None, *, final_state: Any,
+                    stop_reason: str | None, metadata: dict[str, Any] | None) -> Trajectory:
         sampled = [r for r in records if r.completion_token_ids]
         if not sampled:
-            raise NoTrainableCallsError(self._why_nothing_sampled(records, stop_reason))
+            assert status is not None  # _needs_status asked for it
+            raise NoTrainableCallsError(self._why_nothing_sampled(records, status, stop_reason))
         labels: dict[str, Any] = {"framework": self.framework, "rollout_id": self.rollout_id,
                                   "truncated": stop_reason is not None}
         if stop_reason is not None:
@@ -225,24 +283,17 @@ class RolloutScope:
         cancelled = sum(r.finish_reason == "cancelled" for r in records)
         if cancelled:
             labels["cancelled_calls"] = cancelled
-        # The gateway is asked only when some call has no record (one more round trip on a remote backend).
-        if self.route.waiting_calls or len({r.request_id for r in records}) < self.route.calls_maybe_recorded:
-            unanswered = self.model.rollout_status(self.rollout_id).unanswered
-            if unanswered:
-                labels["unanswered_calls"] = unanswered
+        if status is not None and status.unanswered:
+            labels["unanswered_calls"] = status.unanswered
         trajectory = trajectory_from_records(sampled, id=self.trajectory_id, metadata={**labels, **(metadata or {})})
         trajectory.final_state = final_state
         for observer in self.observers:
             observer.link(trajectory)
         return trajectory
 
-    def _recorded_requests(self) -> set[str]:
-        return {r.request_id for r in self.model.rollout_records(self.rollout_id)}
-
-    def _why_nothing_sampled(self, records: list[Any], stop_reason: str | None) -> str:
+    def _why_nothing_sampled(self, records: list[Any], status: RolloutStatus, stop_reason: str | None) -> str:
         """What became of the rollout's calls, as far as the scope and the gateway know (no guess at a cause)."""
         route = self.route
-        status = self.model.rollout_status(self.rollout_id)
         if not records and not route.routed_calls and not status.unanswered:
             return self._why_never_called(stop_reason)
         recorded = len({r.request_id for r in records})

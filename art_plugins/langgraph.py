@@ -16,7 +16,9 @@ as before. Each routed call is labelled with the LangGraph node that made it.
 its last state); ``method="ainvoke"``, ``"invoke"`` or ``"astream_events"`` run it those ways. To drive
 the graph yourself, open the scope: ``with agent.capture() as run: graph.invoke(...)``, then
 ``run.trajectory(final_state=...)`` (call the sync API from a thread, never from the event loop that serves a
-``LocalBackend``'s gateway: blocked, it could not answer; the routing layer warns when that happens).
+``LocalBackend``'s gateway: blocked, it could not answer; the routing layer warns when that happens). In async
+code, ``async with agent.capture() as run: await graph.ainvoke(...)``, then
+``await run.fetch_trajectory(final_state=...)``: the records are fetched without blocking the loop.
 
 Synchronous nodes (``def work(state)``) are fine, in any number: under ``astream``/``ainvoke`` LangGraph runs
 them on the event loop's default thread pool, where each holds its thread until the model answers, and the
@@ -153,7 +155,7 @@ class TrainableGraph:
                     raise  # the graph's own timeout (a tool's, a client's), not the rollout's limit
                 stop_reason = "timeout"
         await scope.settle()  # a call the timeout cut is recorded (tokens so far) once the gateway sees the cut
-        trajectory = scope.trajectory(final_state=progress.state, stop_reason=stop_reason)
+        trajectory = await scope.fetch_trajectory(final_state=progress.state, stop_reason=stop_reason)
         return scope.scored(await score(trajectory, reward))
 
     async def group(self, input: Any, *, n: int, reward: RewardFn | None = None, config: dict[str, Any] | None = None,

@@ -57,36 +57,22 @@ import asyncio
 import contextlib
 import dataclasses
 import inspect
-import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Iterator
-from contextvars import ContextVar, Token
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from contextvars import Token
 from types import AsyncGeneratorType, TracebackType
-from typing import Any, Literal, cast
-
-from pydantic import BaseModel
+from typing import Any, cast
 
 from art_core import TrainableModel, Trajectory, TrajectoryGroup
 from art_core.errors import ConfigError, LifecycleError
 
 from ._langfuse_options import langfuse_tracers
 from ._rollout import NoTrainableCallsError, RewardFn, RolloutScope, gather_group, score
-from ._routing import CountingTransport, Route
 from ._tracing import Tracer, rollout_tracers
 
 try:
-    import httpx2
-    import openai
     from agents import (
         Agent,
-        InputGuardrailTripwireTriggered,
-        MaxTurnsExceeded,
-        Model,
-        ModelBehaviorError,
-        ModelProvider,
-        ModelRefusalError,
-        OpenAIProvider,
-        OutputGuardrailTripwireTriggered,
         RunConfig,
         RunErrorHandlers,
         RunHooks,
@@ -97,41 +83,36 @@ try:
         Session,
         StreamEvent,
         ToolErrorFormatterArgs,
-        ToolInputGuardrailTripwireTriggered,
-        ToolOutputGuardrailTripwireTriggered,
         TResponseInputItem,
     )
-    from agents.models import get_default_model
-    from agents.run_config import DEFAULT_MAX_TURNS, CallModelData, ModelInputData
+    from agents.run_config import DEFAULT_MAX_TURNS
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("art_plugins.openai_agents needs the OpenAI Agents SDK: pip install openai-agents") from exc
+
+from ._agents_sdk import (  # noqa: E402  (after the SDK's own import check above)
+    _HANDLED_STOP_REASONS,
+    _KEPT_ERRORS,
+    Api,
+    _as_text,
+    _builds_own_model,
+    _calling_agent,
+    _check_agent,
+    _describe,
+    _drain,
+    _GatewayProvider,
+    _labelling,
+    _last_agent,
+    _no_label,
+    _stop_reason,
+)
+
 
 __all__ = ["AgentCapture", "NoTrainableCallsError", "StreamedRun", "TrainableRunner"]
 
 logger = logging.getLogger(__name__)
 
-Api = Literal["responses", "chat_completions"]
 RunInput = str | list[TResponseInputItem] | RunState[Any]
 """What ``Runner.run`` takes as ``input``: a user message, input items, or a paused run's state."""
-
-# The SDK's errors that end a run over something the model did: the run is kept as a trajectory, marked
-# with the reason, because it is exactly what training should see (and usually penalise).
-_STOP_REASONS: tuple[tuple[type[BaseException], str], ...] = (
-    (MaxTurnsExceeded, "max_turns"),
-    (ModelBehaviorError, "model_behavior_error"),
-    (ModelRefusalError, "model_refusal"),
-    (OutputGuardrailTripwireTriggered, "output_guardrail"),
-    (ToolInputGuardrailTripwireTriggered, "tool_input_guardrail"),
-    (ToolOutputGuardrailTripwireTriggered, "tool_output_guardrail"),
-    (InputGuardrailTripwireTriggered, "input_guardrail"),
-)
-_KEPT_ERRORS = tuple(error for error, _ in _STOP_REASONS)
-# ``error_handlers`` kinds, and the stop reason a handled one leaves on the trajectory.
-_HANDLED_STOP_REASONS = {"max_turns": "max_turns", "model_refusal": "model_refusal",
-                         "invalid_final_output": "model_behavior_error"}
-
-_calling_agent: ContextVar[str | None] = ContextVar("art_plugins_calling_agent", default=None)
-"""Name of the agent whose model call the current task is making (set just before each call)."""
 
 
 class TrainableRunner:
@@ -248,11 +229,11 @@ class TrainableRunner:
                 error = exc
         if isinstance(error, TimeoutError):
             await capture.scope.settle()  # the call it cut is recorded once the gateway sees the client go
-        elif error is not None and not capture.made_calls():
+        elif error is not None and not await capture.fetch_made_calls():
             raise error
         last_agent = result.last_agent if result is not None else _last_agent(error)
-        trajectory = capture.trajectory(final_output=result.final_output if result is not None else None,
-                                        last_agent=last_agent, error=error)
+        trajectory = await capture.fetch_trajectory(final_output=result.final_output if result is not None else None,
+                                                    last_agent=last_agent, error=error)
         return result, capture.scope.scored(await score(trajectory, reward))
 
     def run_streamed(self, starting_agent: Agent[Any], input: RunInput, *, reward: RewardFn | None = None,
@@ -334,7 +315,9 @@ class AgentCapture:
 
         async with runner.capture() as run:
             result = await Runner.run(agent, "Hi!", run_config=run.run_config())
-        trajectory = run.trajectory(final_output=result.final_output, last_agent=result.last_agent)
+        trajectory = await run.fetch_trajectory(final_output=result.final_output, last_agent=result.last_agent)
+
+    (``run.trajectory(...)`` is the same, waited for in the calling thread, for synchronous code.)
 
     Attributes:
         rollout_id: the gateway's rollout id for this run's calls.
@@ -364,7 +347,7 @@ class AgentCapture:
         if self._label_token is not None:
             _calling_agent.reset(self._label_token)
             self._label_token = None
-        self.scope.__exit__(exc_type, exc, tb)
+        await self.scope.__aexit__(exc_type, exc, tb)
         await self._close_providers()
 
     def run_config(self, base: RunConfig | dict[str, Any] | None = None) -> RunConfig:
@@ -398,12 +381,26 @@ class AgentCapture:
         return cast("RunErrorHandlers[Any]", {kind: self._noting(kind, handler) for kind, handler in given.items()})
 
     def made_calls(self) -> bool:
-        """Whether the gateway recorded any call of this run."""
+        """Whether the gateway recorded any call of this run (waited for in this thread; see ``fetch_made_calls``)."""
         return bool(self._runner.model.rollout_records(self.rollout_id))
+
+    async def fetch_made_calls(self) -> bool:
+        """``made_calls``, without blocking the event loop."""
+        return bool(await self._runner.model.fetch_rollout_records(self.rollout_id))
+
+    async def fetch_trajectory(self, *, final_output: Any = None, last_agent: Agent[Any] | None = None,
+                               error: BaseException | None = None, stop_reason: str | None = None) -> Trajectory:
+        """``trajectory``, with the gateway's records fetched without blocking the event loop."""
+        stop_reason, metadata = self._labels(final_output, last_agent, error, stop_reason)
+        trajectory = await self.scope.fetch_trajectory(final_state=final_output, stop_reason=stop_reason,
+                                                       metadata=metadata)
+        return self._reported(trajectory, error, metadata)
 
     def trajectory(self, *, final_output: Any = None, last_agent: Agent[Any] | None = None,
                    error: BaseException | None = None, stop_reason: str | None = None) -> Trajectory:
         """The run as a trajectory (not yet scored): histories from the gateway's records, and what the run reported.
+
+        It waits for the records in the calling thread; async code should ``await fetch_trajectory(...)``.
 
         Args:
             final_output: the run's final output (``trajectory.final_state``; also ``metadata["final_output"]``).
@@ -414,13 +411,21 @@ class AgentCapture:
         Raises:
             NoTrainableCallsError: the run never called the trainable model.
         """
+        stop_reason, metadata = self._labels(final_output, last_agent, error, stop_reason)
+        trajectory = self.scope.trajectory(final_state=final_output, stop_reason=stop_reason, metadata=metadata)
+        return self._reported(trajectory, error, metadata)
+
+    def _labels(self, final_output: Any, last_agent: Agent[Any] | None, error: BaseException | None,
+                stop_reason: str | None) -> tuple[str | None, dict[str, Any]]:
         stop_reason = _stop_reason(error) if error is not None else stop_reason or self._handled_stop
         metadata: dict[str, Any] = {"final_output": _as_text(final_output)}
         if last_agent is not None:
             metadata["last_agent"] = last_agent.name
         if error is not None:
             metadata["error"] = _describe(error, self._runner.timeout)
-        trajectory = self.scope.trajectory(final_state=final_output, stop_reason=stop_reason, metadata=metadata)
+        return stop_reason, metadata
+
+    def _reported(self, trajectory: Trajectory, error: BaseException | None, metadata: dict[str, Any]) -> Trajectory:
         trajectory.logs.extend(self.tool_errors)
         if error is not None:
             trajectory.logs.append(f"run stopped: {metadata['error']}")
@@ -431,6 +436,7 @@ class AgentCapture:
 
     async def _aclose(self) -> None:
         """End what the scope held for the run (the routing wrappers, its traces); close its gateway clients."""
+        await self.scope.counted()
         self.scope.release()
         await self._close_providers()
 
@@ -585,12 +591,12 @@ class StreamedRun:
             if self._timed_out and error is None:
                 error = TimeoutError(f"the run took longer than timeout={self._timeout} s")
                 await self._capture.scope.settle()  # the call it cut is recorded once the gateway sees the cut
-            elif error is not None and not self._capture.made_calls():
+            elif error is not None and not await self._capture.fetch_made_calls():
                 raise error
             result = self.result
             final_output = result.final_output if error is None else None
             cancelled = error is None and final_output is None  # cancel(): the run ended without an output
-            trajectory = self._capture.trajectory(
+            trajectory = await self._capture.fetch_trajectory(
                 final_output=final_output, last_agent=result.last_agent, error=error,
                 stop_reason="cancelled" if cancelled else None)
             self._trajectory = self._capture.scope.scored(await score(trajectory, self._reward))
@@ -599,161 +605,3 @@ class StreamedRun:
             raise
         finally:
             self._done.set()
-
-
-class _GatewayProvider(ModelProvider):
-    """Builds the trainable model's names against the rollout's gateway URL; hands other names to ``fallback``.
-
-    Args:
-        model: the trainable model.
-        rollout_id: the run's rollout id (its calls go to ``model.rollout_base_url(rollout_id)``).
-        names: the model names that mean the trainable model.
-        api: which OpenAI API to speak to the gateway (None: the SDK's default).
-        fallback: the provider for every other name (the run's own ``RunConfig.model_provider``).
-        owns_fallback: close ``fallback`` with this provider (the SDK would have owned it).
-        route: the rollout's route, where the calls to the gateway are counted.
-    """
-
-    def __init__(self, model: TrainableModel, *, rollout_id: str, names: frozenset[str], api: Api | None,
-                 fallback: ModelProvider, owns_fallback: bool, route: Route) -> None:
-        self._model = model
-        self._rollout_id = rollout_id
-        self._names = names
-        self._use_responses = None if api is None else api == "responses"
-        self._fallback = fallback
-        self._owns_fallback = owns_fallback
-        self._route = route
-        self._client: openai.AsyncOpenAI | None = None
-        self._trainable: Model | None = None
-
-    def get_model(self, model_name: str | None) -> Model:
-        if (model_name or get_default_model()) in self._names:
-            return self._trainable_model()
-        try:
-            return self._fallback.get_model(model_name)
-        except openai.OpenAIError as exc:  # typically: no OPENAI_API_KEY for a model that is not ours
-            raise ConfigError(
-                f"an agent runs on model {model_name or get_default_model()!r}, which is not the trainable model "
-                f"(its names: {sorted(self._names)}), and the SDK could not set that model up: {exc}. Name the "
-                f"trainable model in the agent, or pass model_names=[{model_name or get_default_model()!r}] to "
-                "train it in that model's place") from exc
-
-    def _trainable_model(self) -> Model:
-        if self._trainable is None:
-            # The gateway on loopback takes any key; the model name sent is the one the gateway serves.
-            # Its calls are counted on the rollout's route, so a run cut short can wait for their records.
-            http = openai.DefaultAsyncHttpxClient(transport=CountingTransport(httpx2.AsyncHTTPTransport(), self._route))
-            self._client = openai.AsyncOpenAI(base_url=self._model.rollout_base_url(self._rollout_id),
-                                              api_key=self._model.api_key or "local", http_client=http)
-            provider = OpenAIProvider(openai_client=self._client, use_responses=self._use_responses,
-                                      use_responses_websocket=False)  # the gateway speaks HTTP only
-            self._trainable = provider.get_model(self._model.name)
-        return self._trainable
-
-    async def aclose(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            await client.close()
-        if self._owns_fallback:
-            await self._fallback.aclose()
-
-
-def _labelling(user_filter: Callable[[CallModelData[Any]], Any] | None
-               ) -> Callable[[CallModelData[Any]], Awaitable[ModelInputData]]:
-    """A ``call_model_input_filter`` that labels the coming call with its agent, then runs the run's own filter."""
-    async def label(data: CallModelData[Any]) -> ModelInputData:
-        # The SDK awaits this in the task that then makes the call: the route reads the label there.
-        _calling_agent.set(data.agent.name)
-        if user_filter is None:
-            return data.model_data
-        updated = user_filter(data)
-        return cast(ModelInputData, await updated if inspect.isawaitable(updated) else updated)
-    return label
-
-
-async def _drain(events: AsyncIterator[StreamEvent]) -> BaseException | None:
-    """Read ``events`` to their end; the SDK error that ended the run over the model's behaviour, if any."""
-    try:
-        async for _ in events:
-            pass
-    except _KEPT_ERRORS as exc:
-        return exc
-    return None
-
-
-@contextlib.contextmanager
-def _no_label() -> Iterator[None]:
-    """No call label in the code inside (a task started there copies it); the caller's is restored after."""
-    token = _calling_agent.set(None)
-    try:
-        yield
-    finally:
-        _calling_agent.reset(token)
-
-
-def _builds_own_model(agent: Agent[Any], run_config: RunConfig | dict[str, Any] | None) -> bool:
-    """Whether the run may call a ``Model`` object built outside our provider (so only the redirect can route it).
-
-    Walks the agents the run can reach: handoffs and agents used as tools. A handoff whose target cannot be
-    seen (a hand-made ``Handoff``) counts as "may": better an idle redirect than a call that escapes.
-    """
-    config_model = run_config.get("model") if isinstance(run_config, dict) else getattr(run_config, "model", None)
-    if isinstance(config_model, Model):
-        return True
-    seen: set[int] = set()
-    stack: list[Any] = [agent]
-    while stack:
-        current = stack.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(getattr(current, "model", None), Model):
-            return True
-        for target in getattr(current, "handoffs", None) or ():
-            if isinstance(target, Agent):
-                stack.append(target)
-                continue
-            ref = getattr(target, "_agent_ref", None)  # set by handoff(agent); a weak reference
-            reached = ref() if callable(ref) else None
-            if reached is None:
-                return True
-            stack.append(reached)
-        for tool in getattr(current, "tools", None) or ():
-            inner = getattr(tool, "_agent_instance", None)  # Agent.as_tool() keeps its agent here
-            if inner is not None:
-                stack.append(inner)
-    return False
-
-
-def _check_agent(agent: Any) -> None:
-    if not isinstance(agent, Agent):
-        raise ConfigError(f"starting_agent must be an agents.Agent, got {type(agent).__name__}")
-
-
-def _stop_reason(error: BaseException) -> str:
-    if isinstance(error, TimeoutError):
-        return "timeout"
-    return next(reason for kind, reason in _STOP_REASONS if isinstance(error, kind))
-
-
-def _describe(error: BaseException, timeout: float | None) -> str:
-    if isinstance(error, TimeoutError):
-        return f"TimeoutError: the run took longer than timeout={timeout} s and was cancelled"
-    return f"{type(error).__name__}: {error}"
-
-
-def _last_agent(error: BaseException | None) -> Agent[Any] | None:
-    run_data = getattr(error, "run_data", None)  # the SDK attaches what the run had to its errors
-    return getattr(run_data, "last_agent", None)
-
-
-def _as_text(output: Any) -> str | None:
-    """A final output as text for ``metadata``: strings as they are, models and other values as JSON."""
-    if output is None or isinstance(output, str):
-        return output
-    if isinstance(output, BaseModel):
-        return output.model_dump_json()
-    try:
-        return json.dumps(output, ensure_ascii=False)
-    except (TypeError, ValueError):
-        return repr(output)

@@ -1,11 +1,16 @@
 """art-core: trajectory types, base models, the GRPO trainer on LoRA, and backends.
 
+    TrainableModel --Backend--> LocalBackend | RayBackend | RemoteBackend (-> art-core serve -> Local or Ray)
+    adapters (art_plugins) --GatewayAccess--> the model's gateway: URLs, key, async rollout records
+    Local and Ray --> backends/_steps.StepRunner: one step path (groups to disk, pause, train, checkpoint,
+                      publish, history, resume); each supplies only how it trains and how it publishes
+
 Importing this package does not import torch: the training stack loads when a backend first needs it.
 """
 
 from typing import TYPE_CHECKING, Any
 
-from .backends import Backend, LocalBackend, ModelSpec, RayBackend, TrainResult, TransformersOptions, VLLMOptions
+from .backends import Backend, GatewayAccess, LocalBackend, ModelSpec, RayBackend, TrainResult, TransformersOptions, VLLMOptions
 from .config import LoraSettings, TrainConfig
 from .errors import (
     ArtError,
@@ -14,6 +19,7 @@ from .errors import (
     ConfigError,
     JudgeError,
     LifecycleError,
+    ModelNotRegisteredError,
     RewardError,
     ServerError,
     ServerUnavailableError,
@@ -45,6 +51,7 @@ __all__ = [
     "CallRecord",
     "CheckpointError",
     "ConfigError",
+    "GatewayAccess",
     "History",
     "JudgeError",
     "JudgeUsage",
@@ -52,6 +59,7 @@ __all__ = [
     "LocalBackend",
     "LoraSettings",
     "Message",
+    "ModelNotRegisteredError",
     "ModelSpec",
     "RayBackend",
     "RemoteBackend",

@@ -9,6 +9,7 @@
     ├── EngineError              an inference engine failed to start, answer or load an adapter
     │   └── ConstraintError          a request's JSON schema or grammar cannot be enforced (the gateway: 400)
     ├── LifecycleError           an object was used in the wrong state (register twice, use after close)
+    │   └── ModelNotRegisteredError  a backend (or server) was asked about a model it has not registered
     ├── RewardError              a group could not be scored (empty group, a reward function failed)
     │   └── JudgeError           an LLM judge was unreachable, or its answer stayed malformed after repairs
     └── ServerError              the training server (``art-core serve``) failed a call in a way no class above names
@@ -29,6 +30,7 @@ __all__ = [
     "EngineError",
     "JudgeError",
     "LifecycleError",
+    "ModelNotRegisteredError",
     "RewardError",
     "ServerError",
     "ServerUnavailableError",
@@ -71,6 +73,11 @@ class ConstraintError(EngineError):
 
 class LifecycleError(ArtError, RuntimeError):
     """An object was used in the wrong state: registered twice, or used after close."""
+
+
+class ModelNotRegisteredError(LifecycleError):
+    """A backend, or the server behind ``RemoteBackend``, was asked about a model it has not registered (a server
+    that restarted has lost its registrations: ``RemoteBackend`` registers again on this error)."""
 
 
 class RewardError(ArtError, RuntimeError):

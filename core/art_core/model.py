@@ -8,19 +8,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import re
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 from .config import LoraSettings, TrainConfig
 from .errors import ConfigError, LifecycleError
 from .types import CallRecord, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
-    from .backends.base import Backend, ModelSpec
+    from .backends.base import Backend, GatewayAccess, ModelSpec
     from .gateway.records import ExchangeRecord
     from .wire import RolloutStatus
 
@@ -31,6 +33,8 @@ logger = logging.getLogger(__name__)
 StepHook: TypeAlias = Callable[["TrainableModel", list[TrajectoryGroup], dict[str, Any]], Awaitable[None] | None]
 """Called after each ``train`` with the model (``model.step`` is the new step), the groups and the step's
 metrics; sync or async. What observability layers (``art_plugins.langfuse``) attach to."""
+
+T = TypeVar("T")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 EMBEDDED_MODEL = "smollm2-135m-instruct"
@@ -62,6 +66,7 @@ class TrainableModel:
         self.base_model = base_model
         self.lora = lora or LoraSettings()
         self._backend: Backend | None = None
+        self._gateway: GatewayAccess | None = None  # the backend, or what ``attach`` was given
         self._step = 0
         self._step_hooks: list[StepHook] = []
         from .backends.base import ModelSpec
@@ -85,8 +90,19 @@ class TrainableModel:
     def backend(self) -> Backend:
         """The backend the model is registered with (any implementation of ``art_core.backends.Backend``)."""
         if self._backend is None:
+            if self._gateway is not None:
+                raise LifecycleError(f"model {self.name!r} only reaches a gateway (it was attached with "
+                                     "model.attach): training, sampling and checkpoints live with the backend that "
+                                     "serves it; return trajectories to the process that registered the model")
             raise LifecycleError(f"model {self.name!r} is not registered: call `await model.register(backend)` first")
         return self._backend
+
+    @property
+    def gateway_access(self) -> GatewayAccess:
+        """What the adapters reach the model's gateway through: the backend, or the object given to ``attach``."""
+        if self._gateway is None:
+            return self.backend  # raises: not registered
+        return self._gateway
 
     async def register(self, backend: Backend) -> None:
         """Attach to a backend: loads the base model and resumes from the latest complete checkpoint.
@@ -108,7 +124,31 @@ class TrainableModel:
             raise ConfigError(f"register() needs a backend (LocalBackend, RemoteBackend, ...), got "
                               f"{type(backend).__name__}: it lacks methods of art_core.backends.Backend")
         self._step = await backend.register(self.spec)
-        self._backend = backend
+        self._backend = self._gateway = backend
+
+    def attach(self, gateway: GatewayAccess, *, step: int) -> None:
+        """Reach a gateway that another process trains behind, for rollouts only (a Ray rollout worker's model).
+
+        The rollout URLs, key and records work as after ``register``; ``train``, ``sample`` and the checkpoint
+        calls raise ``LifecycleError``: they belong to the process that registered the model.
+
+        Args:
+            gateway: what reaches the gateway (``art_core.backends.GatewayAccess``, e.g. ``GatewayView``).
+            step: the step it serves (``model.step``).
+
+        Raises:
+            LifecycleError: the model is already registered or attached.
+            ConfigError: ``gateway`` does not implement ``GatewayAccess``.
+        """
+        from .backends.base import GatewayAccess
+
+        if self._gateway is not None:
+            raise LifecycleError(f"model {self.name!r} is already registered; create another TrainableModel "
+                                 "to attach it elsewhere")
+        if not isinstance(gateway, GatewayAccess):
+            raise ConfigError(f"attach() needs a GatewayAccess (base_url, api_key, rollout_base_url, "
+                              f"rollout_records, rollout_status), got {type(gateway).__name__}")
+        self._gateway, self._step = gateway, step
 
     async def train(self, groups: Sequence[TrajectoryGroup], *, config: TrainConfig | None = None) -> dict[str, float]:
         """Run one GRPO step on ``groups`` and serve the new checkpoint.
@@ -160,29 +200,41 @@ class TrainableModel:
     @property
     def base_url(self) -> str:
         """The gateway's OpenAI base URL (``http://127.0.0.1:PORT/v1``), for any OpenAI-compatible client."""
-        return self.backend.base_url(self.spec)
+        return self.gateway_access.base_url(self.spec)
 
     @property
     def api_key(self) -> str | None:
         """The key the gateway wants in ``Authorization: Bearer``; None when it listens on loopback only."""
-        return self.backend.api_key(self.spec)
+        return self.gateway_access.api_key(self.spec)
 
     def rollout_base_url(self, rollout_id: str) -> str:
         """A base URL whose calls the gateway records under ``rollout_id``."""
-        return self.backend.rollout_base_url(self.spec, rollout_id)
+        return self.gateway_access.rollout_base_url(self.spec, rollout_id)
 
     def rollout_calls(self, rollout_id: str) -> list[CallRecord]:
         """The token-exact records of a rollout's calls, oldest first, ready for ``Trajectory.calls``."""
         return [r.to_call_record() for r in self.rollout_records(rollout_id)]
 
-    def rollout_records(self, rollout_id: str) -> list[ExchangeRecord]:
-        """The gateway's full records of a rollout's calls (conversation, reply, tokens), oldest first."""
-        return self.backend.rollout_records(self.spec, rollout_id)
+    async def fetch_rollout_records(self, rollout_id: str) -> list[ExchangeRecord]:
+        """The gateway's full records of a rollout's calls (conversation, reply, tokens), oldest first.
 
-    def rollout_status(self, rollout_id: str) -> RolloutStatus:
+        A coroutine: with a remote backend it is one HTTP round trip, which never blocks the event loop.
+        """
+        return await _awaited(self.gateway_access.rollout_records(self.spec, rollout_id), "rollout_records")
+
+    async def fetch_rollout_status(self, rollout_id: str) -> RolloutStatus:
         """What the gateway knows of a rollout's calls beyond their records: ``unanswered``, the calls it received
         and has not answered yet (a rollout that ended with some never saw their answers), and its state."""
-        return self.backend.rollout_status(self.spec, rollout_id)
+        return await _awaited(self.gateway_access.rollout_status(self.spec, rollout_id), "rollout_status")
+
+    def rollout_records(self, rollout_id: str) -> list[ExchangeRecord]:
+        """``fetch_rollout_records``, waited for: for scripts and tests. It blocks its thread until the records
+        come (over HTTP with a remote backend), so async code should ``await model.fetch_rollout_records(...)``."""
+        return _wait_for(lambda: self.fetch_rollout_records(rollout_id))
+
+    def rollout_status(self, rollout_id: str) -> RolloutStatus:
+        """``fetch_rollout_status``, waited for (it blocks its thread; see ``rollout_records``)."""
+        return _wait_for(lambda: self.fetch_rollout_status(rollout_id))
 
     def rollout_trajectory(self, rollout_id: str, **fields: Any) -> Trajectory:
         """The rollout rebuilt from its records, one history per distinct context (see ``art_core.trajectories``).
@@ -210,3 +262,30 @@ class TrainableModel:
     async def history(self) -> list[dict[str, Any]]:
         """The rows of ``history.jsonl``: one per ``train`` call, with its metrics."""
         return await self.backend.history(self.spec)
+
+
+def _wait_for(start: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run the coroutine ``start()`` makes to its end from synchronous code, and return its result.
+
+    Outside an event loop, on a new one. Inside one (sync code called from async code), on a thread of its own
+    with its own loop: the caller's loop cannot run it while its thread waits here, and is blocked meanwhile.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(start())
+    with ThreadPoolExecutor(1, thread_name_prefix="art-wait") as pool:
+        return pool.submit(lambda: asyncio.run(start())).result()
+
+
+async def _awaited(value: Any, method: str) -> Any:
+    """``value`` awaited; a third-party backend's synchronous method still works, with a deprecation warning."""
+    if inspect.isawaitable(value):
+        return await value
+    import warnings
+
+    warnings.warn(f"Backend.{method} returned a value, not a coroutine: since art-core 0.1.0 (November 2026) "
+                  f"GatewayAccess.{method} is async (the adapters read records on the event loop); synchronous "
+                  f"ones are deprecated and will stop working in 0.2.0: make it `async def {method}`",
+                  DeprecationWarning, stacklevel=3)
+    return value

@@ -169,11 +169,11 @@ async def main(train_pairs: int, runs: int, calls: int) -> dict[str, float]:
                     local_ms.append(lo / calls * 1e3)
                     remote_ms.append(re / calls * 1e3)
                     rollout_overhead.append((re - lo) / calls * 1e3)
-                # Part of the rollout's cost: fetching its records (one GET per rollout, sync by contract).
+                # Part of the rollout's cost: fetching its records (one GET per rollout, awaited on the loop).
                 fetch_ms = []
                 for _ in range(20):
                     started = time.perf_counter()
-                    assert len(there.rollout_records(last_rollout[remote_graph])) == calls
+                    assert len(await there.fetch_rollout_records(last_rollout[remote_graph])) == calls
                     fetch_ms.append((time.perf_counter() - started) * 1e3)
         finally:
             process.terminate()

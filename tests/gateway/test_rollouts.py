@@ -153,11 +153,10 @@ async def test_status_names_a_paused_gateway(gateway: Gateway):
         held = asyncio.create_task(client.chat.completions.create(model="agent", messages=user("a")))
         await _until(lambda: gateway.rollout_status("held").unanswered == 1)
         assert gateway.rollout_status("held").gateway == "paused" and not held.done()
-        # What a Ray rollout worker sees over HTTP (its GatewayView is sync: called from a thread, as a worker's
-        # adapter code would not block the loop serving this gateway).
+        # What a Ray rollout worker sees over HTTP (its GatewayView is async: the loop serving this gateway runs on).
         view = GatewayView(gateway.url, None, 0)
         spec = ModelSpec(name="agent", project="p", base_model="x", lora=LoraSettings())
-        status = await asyncio.to_thread(view.rollout_status, spec, "held")
+        status = await view.rollout_status(spec, "held")
         assert status == RolloutStatus(unanswered=1, gateway="paused")
         await gateway.resume_after_training(0)
         await held

@@ -77,6 +77,11 @@ def test_the_answer_schema_asks_for_every_label_in_order():
         jsonschema.validate({**good, "trajectory_1": {"explanation": "x" * 51, "score": 0.5}}, prompt.schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({**good, "trajectory_1": {"explanation": "x", "score": 1.5}}, prompt.schema)
+    # scores are hundredths: a constrained judge cannot write digits until its token limit
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**good, "trajectory_1": {"explanation": "x", "score": 0.1223333}}, prompt.schema)
+    for score in (0, 0.07, 0.12, 1):
+        jsonschema.validate({**good, "trajectory_1": {"explanation": "x", "score": score}}, prompt.schema)
 
 
 def test_step_rewards_number_the_assistant_messages():

@@ -16,6 +16,7 @@ import pytest
 from fake_judges import capital_group
 
 from art_core import JudgeUsage, ruler_score_group
+from art_core.rewards._prompt import SCORE_GRID
 from art_core.gateway import Gateway, GatewaySettings
 
 
@@ -61,6 +62,7 @@ async def test_ruler_with_the_embedded_model_as_judge(judge_gateway, tmp_path):
             label = next(label for label, block in blocks.items() if answer_text in block)
             verdict = json.loads(judge_gateway.engine.tokenizer.decode(record.completion_token_ids,
                                                                        skip_special_tokens=True))[label]
+            assert verdict["score"] in SCORE_GRID  # the grid held the constrained decoder to hundredths
             assert f"shown as {label}): score {verdict['score']:.3f}" in "\n".join(trajectory.logs)
             per_order.append(verdict["score"])
         assert trajectory.reward == pytest.approx(sum(per_order) / 2)

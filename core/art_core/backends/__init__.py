@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._engines import TransformersOptions, VLLMOptions
-from .base import Backend, ModelSpec, TrainResult
+from .base import Backend, GatewayAccess, ModelSpec, TrainResult
 from .local import LocalBackend
 from .ray import RayBackend
 
 if TYPE_CHECKING:
     from .remote import RemoteBackend
 
-__all__ = ["Backend", "LocalBackend", "ModelSpec", "RayBackend", "RemoteBackend", "TrainResult", "TransformersOptions",
+__all__ = ["Backend", "GatewayAccess", "LocalBackend", "ModelSpec", "RayBackend", "RemoteBackend", "TrainResult", "TransformersOptions",
            "VLLMOptions"]
 
 

@@ -30,6 +30,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field
 
 from ..config import CheckedSettings
+from ._tables import choose
 from ..errors import ConfigError
 from .base import ModelSpec
 
@@ -223,10 +224,7 @@ def inference_choice(name: str) -> InferenceChoice:
     Raises:
         ConfigError: no engine has that name (the message lists the known ones).
     """
-    try:
-        return INFERENCE[name]
-    except (KeyError, TypeError):
-        raise ConfigError(f"unknown inference engine {name!r}: choose one of {sorted(INFERENCE)}") from None
+    return choose(INFERENCE, name, "inference engine")
 
 
 def adapter_mode(options: VLLMOptions, device: str) -> Literal["merged", "lora"]:

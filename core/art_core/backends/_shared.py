@@ -1,5 +1,8 @@
 """What every in-process backend (``LocalBackend``, ``RayBackend``) does the same way.
 
+- ``ServesModels``: the contract's methods that read the backend's ``ModelTable`` (``_tables.py``) (the adapters' ``GatewayAccess``, ``train``
+  through the model's ``StepRunner``, ``sample``, checkpoints, history); a backend adds ``register``, ``aclose``
+  and how it trains and publishes (``_steps.StepWork``).
 - ``sample``: the chat is rendered through the gateway's message conversion (``art_core.messages``), so a
   conversation gives the same prompt tokens whichever way it reaches the model, and each reply becomes a
   trajectory with its token-exact call record.
@@ -11,13 +14,131 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ..engines.base import EngineOutput
+from ..config import TrainConfig
+from ..engines.base import EngineOutput, SamplingParams
+from ..errors import LifecycleError
 from ..messages import template_messages
-from ..types import CallRecord, Message, Trajectory
+from ..types import CallRecord, Message, Trajectory, TrajectoryGroup
+from ._tables import ModelTable
+from .base import ModelSpec, Progress, TrainResult
 
-__all__ = ["append_history", "read_history", "render_chat", "sampled_trajectories", "trajectories_path"]
+if TYPE_CHECKING:
+    from ..gateway import Gateway
+    from ..gateway.records import ExchangeRecord
+    from ..wire import RolloutStatus
+    from ._steps import StepRunner
+
+__all__ = ["ServesModels", "append_history", "read_history", "render_chat", "sampled_trajectories",
+           "trajectories_path"]
+
+
+class Slot(Protocol):
+    """What ``ServesModels`` reads of a registered model."""
+
+    steps: StepRunner
+    gateway: Gateway | None
+
+    @property
+    def engine(self) -> Any:
+        """The ``Engine`` behind the gateway (a ``ReplicaRouter`` on Ray)."""
+        ...
+
+
+class ServesModels:
+    """The contract's methods of a backend whose models are in a ``ModelTable`` (``self._models``).
+
+    A mixin rather than a helper each backend forwards to: the methods are the same on Local and Ray, and
+    forwarding them one by one would be the copy this replaces. A backend adds ``register`` and ``aclose``.
+    """
+
+    _models: ModelTable[Any]
+
+    def model_dir(self, model: ModelSpec) -> Path:
+        return self._models.folder(model)
+
+    @property
+    def _slots(self) -> dict[tuple[str, str], Any]:  # tests reach the registered models' engines through it
+        return self._models.slots
+
+    def _slot(self, model: ModelSpec) -> Any:
+        return self._models.get(model)
+
+    def gateway(self, model: ModelSpec) -> Gateway:
+        """The model's running gateway (its ``app``, ``records``, URLs); ``art-core serve`` mounts its app.
+
+        Raises:
+            ModelNotRegisteredError: the model is not registered.
+            LifecycleError: this backend is closed, or runs no gateway (``LocalBackend(serve=False)``).
+        """
+        gateway = self._models.get(model).gateway
+        if gateway is None:
+            raise LifecycleError(f"this {self._models.owner} was created with serve=False: it runs no gateway")
+        return gateway  # type: ignore[no-any-return]
+
+    def current_step(self, model: ModelSpec) -> int:
+        """The latest checkpoint written for the model (the one served, unless publishing it failed)."""
+        return self._models.get(model).steps.step  # type: ignore[no-any-return]
+
+    # -- GatewayAccess: what adapters need -----------------------------------------------------------
+
+    def base_url(self, model: ModelSpec) -> str:
+        return self.gateway(model).base_url
+
+    def api_key(self, model: ModelSpec) -> str | None:
+        return self.gateway(model).settings.api_key
+
+    def rollout_base_url(self, model: ModelSpec, rollout_id: str) -> str:
+        return self.gateway(model).rollout_base_url(rollout_id)
+
+    async def rollout_records(self, model: ModelSpec, rollout_id: str) -> list[ExchangeRecord]:
+        return self.gateway(model).records.for_rollout(rollout_id)
+
+    async def rollout_status(self, model: ModelSpec, rollout_id: str) -> RolloutStatus:
+        return self.gateway(model).rollout_status(rollout_id)
+
+    # -- training and sampling -------------------------------------------------------------------------
+
+    async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig, *,
+                    progress: Progress | None = None) -> TrainResult:
+        """The contract's ``train`` (see ``_steps``). ``progress(done, total)``, when given, is called as
+        micro-batches finish (``art-core serve`` streams it to its client)."""
+        from ..training.trainer import check_config
+
+        slot = self._models.get(model)
+        check_config(config)  # a bad loss option fails here, before the gateway pauses or anything is written
+        return (await slot.steps.run(groups, config, progress)).result  # type: ignore[no-any-return]
+
+    async def sample(self, model: ModelSpec, messages: Sequence[dict[str, Any]], *, n: int, max_tokens: int,
+                     temperature: float, tools: list[dict[str, Any]] | None, seed: int | None) -> list[Trajectory]:
+        slot = self._models.get(model)
+        messages = list(messages)
+        tokenizer = slot.engine.tokenizer
+        prompt = render_chat(tokenizer, messages, tools)
+        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)
+        async with slot.steps.serving():  # a step in progress: sample the checkpoint it writes
+            # Through the engine's queue, like every gateway request: one decode loop owns the module.
+            completions = await slot.engine.generate(prompt, params)
+        return sampled_trajectories(tokenizer, messages, tools, prompt, completions)
+
+    # -- the model's folder ------------------------------------------------------------------------------
+
+    async def checkpoints(self, model: ModelSpec) -> list[int]:
+        from ..training.checkpoints import list_checkpoints
+
+        self._models.check_open()
+        return [c.step for c in list_checkpoints(self.model_dir(model))]
+
+    async def delete_checkpoints(self, model: ModelSpec, steps: Sequence[int]) -> list[int]:
+        from ..training.checkpoints import delete_checkpoints
+
+        slot = self._models.get(model)
+        return delete_checkpoints(self.model_dir(model), steps, keep=slot.steps.step)
+
+    async def history(self, model: ModelSpec) -> list[dict[str, Any]]:
+        self._models.check_open()
+        return read_history(self.model_dir(model))
 
 
 def render_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import LoraSettings
+from ._tables import choose
 from ..errors import CheckpointError, ConfigError
 
 __all__ = ["TRAINERS", "TrainerChoice", "trainer_choice"]
@@ -118,7 +119,4 @@ def trainer_choice(name: str) -> TrainerChoice:
     Raises:
         ConfigError: no trainer has that name (the message lists the known ones).
     """
-    try:
-        return TRAINERS[name]
-    except (KeyError, TypeError):
-        raise ConfigError(f"unknown trainer {name!r}: choose one of {sorted(TRAINERS)}") from None
+    return choose(TRAINERS, name, "trainer")

@@ -1,22 +1,36 @@
-"""The ``Backend`` contract: what ``TrainableModel`` needs from the place a model is trained and served.
+"""The backend contract, split by role: what adapters need from the side that serves a model (``GatewayAccess``),
+and what ``TrainableModel`` needs from the place it is trained (``Backend``, which serves it too).
 
-``TrainableModel`` talks to a backend only through this Protocol, the way httpx's ``Client`` talks to a
+``TrainableModel`` talks to a backend only through these Protocols, the way httpx's ``Client`` talks to a
 ``BaseTransport``: ``LocalBackend`` (this process), ``RemoteBackend`` (a client of ``art-core serve``) and
-``RayBackend`` (a cluster) implement it, and a third-party backend needs no subclassing.
+``RayBackend`` (a cluster) implement ``Backend``; a Ray rollout worker's ``GatewayView`` implements only
+``GatewayAccess`` (``TrainableModel.attach``). A third-party one needs no subclassing.
+
+    GatewayAccess    base_url, api_key, rollout_base_url           where an agent's calls go
+                     async rollout_records, async rollout_status   what the gateway recorded (may be HTTP: async)
+    Backend          + register, train, sample, model_dir,          the training side
+                       checkpoints, delete_checkpoints, history, aclose
 
 A backend keys everything by the model's ``(project, name)``; it receives ``model.spec``, a ``ModelSpec``
 (plain data: name, project, base model, LoRA shape), never the ``TrainableModel`` object.
 Users do not call these methods: ``TrainableModel`` does (``model.register(backend)``, ``model.train``...).
 
+Step semantics every backend keeps (``backends/_steps.py`` is the one implementation the in-process ones share):
+one step at a time per model (a second ``train`` waits for the first, it does not fail); the groups are on
+disk before the step starts; a checkpoint the engine cannot serve leaves the gateway paused and ``train``
+raising the engine's error (``sample`` raises it too) until a later step succeeds; ``sample`` waits while a
+step runs and answers with the checkpoint it wrote.
+
 Lifecycle: ``register`` once per model, then any calls, then ``aclose``; after ``aclose`` every call raises
-``LifecycleError``. Backends are async context managers (``async with LocalBackend() as backend``).
+``LifecycleError``; a call about a model that is not registered raises ``ModelNotRegisteredError``. Backends
+are async context managers (``async with LocalBackend() as backend``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -27,7 +41,7 @@ if TYPE_CHECKING:
     from ..gateway.records import ExchangeRecord
     from ..wire import RolloutStatus
 
-__all__ = ["Backend", "ModelSpec", "TrainResult"]
+__all__ = ["Backend", "GatewayAccess", "ModelSpec", "Progress", "TrainResult"]
 
 
 class ModelSpec(BaseModel):
@@ -59,9 +73,43 @@ class TrainResult(BaseModel):
     """The step served after the call: the new checkpoint's number, or the old one if nothing was trained."""
 
 
+Progress: TypeAlias = Callable[[int, int], None]
+"""``progress(done, total)``: how far a training step is, in units the backend chooses (micro-batches on the
+in-process trainer); called at least once, when the step ends. It may be called from another thread."""
+
+
 @runtime_checkable
-class Backend(Protocol):
-    """Where a ``TrainableModel`` is trained and served.
+class GatewayAccess(Protocol):
+    """What adapters need from the side that serves a model: where its calls go, and what the gateway recorded.
+
+    The records are read while rollouts run, often over HTTP (``RemoteBackend``, a Ray rollout worker), so
+    reading them is a coroutine: it never blocks the event loop the other rollouts of a group run on.
+    """
+
+    def base_url(self, model: ModelSpec) -> str:
+        """The gateway's OpenAI base URL for the model (``http://HOST:PORT/v1``)."""
+        ...
+
+    def api_key(self, model: ModelSpec) -> str | None:
+        """The bearer token the gateway wants; None when it needs none."""
+        ...
+
+    def rollout_base_url(self, model: ModelSpec, rollout_id: str) -> str:
+        """A base URL whose calls the gateway records under ``rollout_id``."""
+        ...
+
+    async def rollout_records(self, model: ModelSpec, rollout_id: str) -> list[ExchangeRecord]:
+        """The gateway's records of a rollout's calls, oldest first."""
+        ...
+
+    async def rollout_status(self, model: ModelSpec, rollout_id: str) -> RolloutStatus:
+        """What the gateway knows of a rollout's calls beyond their records: those received and not answered yet."""
+        ...
+
+
+@runtime_checkable
+class Backend(GatewayAccess, Protocol):
+    """Where a ``TrainableModel`` is trained and served (it also gives the adapters' ``GatewayAccess``).
 
     Example, a backend that forwards to another one (each method is a plain call or coroutine)::
 
@@ -69,9 +117,9 @@ class Backend(Protocol):
             def __init__(self, inner: Backend) -> None:
                 self.inner = inner
 
-            async def train(self, model, groups, config):
+            async def train(self, model, groups, config, *, progress=None):
                 print(f"training {model.name} on {len(groups)} groups")
-                return await self.inner.train(model, groups, config)
+                return await self.inner.train(model, groups, config, progress=progress)
 
             ...  # every other method forwards unchanged
     """
@@ -88,34 +136,19 @@ class Backend(Protocol):
         """
         ...
 
-    async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig) -> TrainResult:
-        """Persist ``groups``, run one GRPO step, write the checkpoint, and serve it before returning."""
+    async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig, *,
+                    progress: Progress | None = None) -> TrainResult:
+        """Persist ``groups``, run one GRPO step, write the checkpoint, and serve it before returning.
+
+        Args:
+            progress: called as the step advances (see ``Progress``); None: the backend's own display, if any.
+        """
         ...
 
     async def sample(self, model: ModelSpec, messages: Sequence[dict[str, Any]], *, n: int, max_tokens: int,
                      temperature: float, tools: list[dict[str, Any]] | None,
                      seed: int | None) -> list[Trajectory]:
         """``n`` replies to a chat, each a ``Trajectory`` with its token-exact call record."""
-        ...
-
-    def base_url(self, model: ModelSpec) -> str:
-        """The gateway's OpenAI base URL for the model (``http://HOST:PORT/v1``)."""
-        ...
-
-    def api_key(self, model: ModelSpec) -> str | None:
-        """The bearer token the gateway wants; None when it needs none."""
-        ...
-
-    def rollout_base_url(self, model: ModelSpec, rollout_id: str) -> str:
-        """A base URL whose calls the gateway records under ``rollout_id``."""
-        ...
-
-    def rollout_records(self, model: ModelSpec, rollout_id: str) -> list[ExchangeRecord]:
-        """The gateway's records of a rollout's calls, oldest first."""
-        ...
-
-    def rollout_status(self, model: ModelSpec, rollout_id: str) -> RolloutStatus:
-        """What the gateway knows of a rollout's calls beyond their records: those received and not answered yet."""
         ...
 
     def model_dir(self, model: ModelSpec) -> Path:
@@ -131,7 +164,7 @@ class Backend(Protocol):
         ...
 
     async def history(self, model: ModelSpec) -> list[dict[str, Any]]:
-        """The rows of ``history.jsonl``: one per train call, with its metrics."""
+        """The rows of ``history.jsonl``: one per train call, with its metrics and ``kind`` (``"grpo"``)."""
         ...
 
     async def aclose(self) -> None:

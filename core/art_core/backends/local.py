@@ -5,46 +5,37 @@ engine (``inference="transformers"`` or ``"vllm"``, see ``_engines.py``), serves
 OpenAI-compatible gateway (``model.base_url``), and owns the on-disk layout
 ``<path>/<project>/models/<name>/{checkpoints/NNNN, trajectories/, records.jsonl, history.jsonl, logs/}``.
 
-A training step, top to bottom (``train``):
-
-1. pause: the gateway stops admitting requests (they wait, they do not fail), in-flight ones finish, and the
-   engine pauses (a vLLM sharing the trainer's GPU also sleeps, freeing its memory);
-2. the step's groups go to ``trajectories/NNNN.jsonl``, one GRPO step runs, ``checkpoints/NNNN`` is written;
-3. publish: the engine takes the checkpoint (vLLM hot-loads it; the transformers engine that decodes the
-   trainer's own module just records the step);
-4. resume: the gateway checks the engine serves the new step, then releases the held requests.
-
-If publishing fails (the adapter does not load, the vLLM process died), the trajectories and checkpoint stay
-on disk, the gateway stays paused (it never serves the old step as if it were the new one), and ``train``
-raises the engine's error; ``sample`` raises it too. A later successful step resumes serving.
+A training step runs as on every backend (``_steps.StepRunner``: groups to disk, pause, train, checkpoint,
+publish, history, resume); this backend supplies how it trains (the trainer's step in a worker thread) and how
+it publishes (vLLM hot-loads the checkpoint; the transformers engine that decodes the trainer's own module just
+records the step). If publishing fails, the gateway stays paused with the error until a later step succeeds.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._ownership import torch_threads
 from .._threads import TRAINING
 from ..config import TrainConfig
-from ..engines.base import SamplingParams
-from ..errors import ConfigError, EngineError, LifecycleError
-from ..types import Trajectory, TrajectoryGroup, trace_links, write_groups_jsonl
+from ..errors import ConfigError
+from ..types import TrajectoryGroup
 from ._engines import EngineContext, Serving, TransformersOptions, VLLMOptions, inference_choice
 from ._progress import progress_bar
-from ._shared import append_history, read_history, render_chat, sampled_trajectories, trajectories_path
+from ._shared import ServesModels
+from ._tables import ModelTable
+from ._steps import EngineHold, StepRunner, Trained
 from ._trainers import trainer_choice
-from .base import ModelSpec, TrainResult
+from .base import ModelSpec, Progress
 
 if TYPE_CHECKING:
     from ..gateway import Gateway
-    from ..gateway.records import ExchangeRecord
     from ..training.trainer import GRPOTrainer
-    from ..wire import RolloutStatus
 
 __all__ = ["LocalBackend"]
 
@@ -55,15 +46,7 @@ T = TypeVar("T")
 class _Slot:
     trainer: GRPOTrainer
     serving: Serving
-    model_dir: Path
-    step: int
-    """The latest checkpoint written (what the engine serves, unless publishing it failed: see ``error``)."""
-    stepping: asyncio.Lock = field(default_factory=asyncio.Lock)
-    """One training step at a time per model."""
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set while no step is running; ``sample`` waits for it."""
-    error: BaseException | None = None
-    """Why the engine does not serve ``step`` (a failed publish); requests stay held until a step succeeds."""
+    steps: StepRunner
     gateway: Gateway | None = None
 
     @property
@@ -71,7 +54,49 @@ class _Slot:
         return self.serving.engine
 
 
-class LocalBackend:
+@dataclass
+class _LocalSteps:
+    """How a step trains and publishes in this process (``_steps.StepWork``)."""
+
+    backend: LocalBackend
+    trainer: GRPOTrainer
+    serving: Serving
+
+    async def train(self, groups: list[TrajectoryGroup], config: TrainConfig, *, step: int,
+                    progress: Progress | None, **options: Any) -> Trained:
+        # A worker thread of the library's own: the loop keeps serving I/O while the step runs.
+        with _trainer_warnings_silenced():
+            metrics = await TRAINING.run(self.backend._with_threads,
+                                         lambda: self._train_sync(groups, config, step, progress))
+        return Trained(metrics, self.trainer.save if metrics.get("trained") else None)
+
+    def _train_sync(self, groups: list[TrajectoryGroup], config: TrainConfig, step: int,
+                    report: Progress | None) -> dict[str, Any]:
+        with progress_bar(f"training step {step}", enabled=self.backend.show_progress and report is None) as bar:
+            return dict(self.trainer.train_step(groups, config, progress=report or bar))
+
+    async def publish(self, checkpoint: Path, step: int) -> None:
+        await self.serving.publish(checkpoint, step)
+
+
+@contextlib.contextmanager
+def _trainer_warnings_silenced() -> Iterator[None]:
+    """While a step trains: the trainer's ``ZeroVarianceGroupsWarning``, which the training thread would charge to
+    a line of ours, is left to the step runner, which warns at the user's ``model.train`` line instead. Only that
+    category, only when charged to an art_core module; the filter is removed when the step ends."""
+    from ..training.trainer import ZeroVarianceGroupsWarning
+
+    warnings.filterwarnings("ignore", category=ZeroVarianceGroupsWarning, module=r"art_core\.")
+    entry = warnings.filters[0]
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):  # someone reset the filters meanwhile: nothing left to remove
+            warnings.filters.remove(entry)
+            warnings._filters_mutated()  # type: ignore[attr-defined]
+
+
+class LocalBackend(ServesModels):
     """Runs training and sampling in this process; implements ``art_core.backends.Backend``.
 
     Args:
@@ -143,12 +168,11 @@ class LocalBackend:
             from ..gateway.settings import GatewaySettings
 
             GatewaySettings(**self._gateway_options)  # checked now: a bad host or limit fails before any load
-        self._slots: dict[tuple[str, str], _Slot] = {}
-        self._closed = False
+        self._models: ModelTable[_Slot] = ModelTable(self.path, "LocalBackend")
 
     def __repr__(self) -> str:
         return (f"LocalBackend(path={str(self.path)!r}, inference={self.inference!r}, trainer={self.trainer!r}, "
-                f"models={len(self._slots)})")
+                f"models={len(self._models.slots)})")
 
     async def __aenter__(self) -> LocalBackend:
         return self
@@ -158,152 +182,29 @@ class LocalBackend:
 
     async def aclose(self) -> None:
         """Stop the gateways and release the models. The backend cannot be used afterwards."""
-        self._closed = True
-        for slot in self._slots.values():
+        for slot in self._models.close():
             if slot.gateway is not None:
                 await slot.gateway.aclose()
             await slot.engine.aclose()
-        self._slots.clear()
 
-    # -- the Backend contract (called by TrainableModel) ----------------------------------------------
-
-    def model_dir(self, model: ModelSpec) -> Path:
-        return self.path / model.project / "models" / model.name
+    # -- the Backend contract (called by TrainableModel; the rest is ServesModels') ----------------------
 
     async def register(self, model: ModelSpec) -> int:
-        self._check_open()
-        key = (model.project, model.name)
-        if key in self._slots:
-            raise LifecycleError(f"a model named {model.name!r} in project {model.project!r} is already "
-                                 "registered with this backend")
+        self._models.check_new(model)
         slot = await self._load(model)
         try:
             if self.serve:
-                slot.gateway = await self._start_gateway(model, slot)
+                slot.gateway = await self._start_gateway(model, slot.engine)
         except BaseException:
             await slot.engine.aclose()
             raise
-        slot.ready.set()
-        self._slots[key] = slot
-        return slot.step
-
-    def base_url(self, model: ModelSpec) -> str:
-        return self._gateway(model).base_url
-
-    def api_key(self, model: ModelSpec) -> str | None:
-        return self._gateway(model).settings.api_key
-
-    def rollout_base_url(self, model: ModelSpec, rollout_id: str) -> str:
-        return self._gateway(model).rollout_base_url(rollout_id)
-
-    def rollout_records(self, model: ModelSpec, rollout_id: str) -> list[ExchangeRecord]:
-        return self._gateway(model).records.for_rollout(rollout_id)
-
-    def rollout_status(self, model: ModelSpec, rollout_id: str) -> RolloutStatus:
-        return self._gateway(model).rollout_status(rollout_id)
-
-    async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig, *,
-                    progress: Callable[[int, int], None] | None = None) -> TrainResult:
-        """The contract's ``train``; ``progress(done, total)``, when given, is called from the training thread
-        as micro-batches finish (``art-core serve`` streams it to its client), in place of the progress bar."""
-        from ..training.trainer import check_config
-
-        slot = self._slot(model)
-        check_config(config)  # a bad loss option fails here, before the gateway pauses or anything is written
-        async with slot.stepping:
-            slot.ready.clear()
-            try:
-                return await self._step(slot, list(groups), config, progress)
-            finally:
-                slot.ready.set()
-
-    async def _step(self, slot: _Slot, groups: list[TrajectoryGroup], config: TrainConfig,
-                    report: Callable[[int, int], None] | None) -> TrainResult:
-        # 1. pause: requests wait (they do not fail); the engine drains and, on a shared GPU, sleeps
-        await self._pause(slot)
-
-        # 2. trajectories to disk, one GRPO step, the checkpoint (a worker thread: the loop keeps serving I/O)
-        try:
-            metrics, checkpoint = await TRAINING.run(self._with_threads,
-                                                     lambda: self._train_sync(slot, groups, config, report))
-        except BaseException:
-            if slot.error is None:  # the step was not applied: serve on as before
-                await self._resume(slot)
-            raise
-
-        # 3. publish: the engine takes the new checkpoint; on failure the gateway stays paused
-        failure: BaseException | None = None
-        if checkpoint is not None:
-            started = time.perf_counter()
-            try:
-                await slot.serving.publish(checkpoint, slot.step)
-            except Exception as exc:
-                failure = exc
-                metrics["adapter_load_error"] = str(exc)
-            metrics["seconds_adapter_load"] = time.perf_counter() - started
-        append_history(slot.model_dir,
-                        {"step": slot.step, "time": time.time(), **metrics, **trace_links(groups)})
-        if failure is not None:
-            slot.error = failure
-            raise EngineError(f"checkpoint {slot.step:04d} was trained and written to {checkpoint}, but the "
-                              f"{self.inference} engine could not serve it, so the gateway stays paused (held "
-                              f"requests wait; none is served by an older step). The step's trajectories are in "
-                              f"{slot.model_dir / 'trajectories'}. Cause: {failure}") from failure
-
-        # 4. resume: the gateway checks the engine serves slot.step, then releases held requests
-        await self._resume(slot)
-        slot.error = None
-        return TrainResult(metrics=metrics, step=slot.step)
-
-    async def _pause(self, slot: _Slot) -> None:
-        if slot.gateway is None:
-            await slot.engine.pause()
-        elif slot.gateway.control.state == "serving":  # not after a failed publish: it is paused already
-            await slot.gateway.pause_for_training()
-
-    async def _resume(self, slot: _Slot) -> None:
-        if slot.gateway is not None:
-            await slot.gateway.resume_after_training(slot.step)
-            return
-        if slot.engine.adapter_step != slot.step:
-            raise EngineError(f"engine serves adapter {slot.engine.adapter_step}, expected {slot.step}: checkpoint "
-                              f"{slot.step:04d} was not loaded")
-        await slot.engine.resume()
-
-    async def sample(self, model: ModelSpec, messages: Sequence[dict[str, Any]], *, n: int, max_tokens: int,
-                     temperature: float, tools: list[dict[str, Any]] | None, seed: int | None) -> list[Trajectory]:
-        slot = self._slot(model)
-        messages = list(messages)
-        tokenizer = slot.engine.tokenizer
-        prompt = render_chat(tokenizer, messages, tools)
-        await slot.ready.wait()  # a step in progress: sample the checkpoint it writes
-        if slot.error is not None:
-            raise EngineError(f"model {model.name!r}: the engine does not serve checkpoint {slot.step:04d} "
-                              f"({slot.error}); train another step once the cause is fixed") from slot.error
-        # Through the engine's queue, like every gateway request: one decode loop owns the module.
-        completions = await slot.engine.generate(prompt, SamplingParams(n=n, max_tokens=max_tokens,
-                                                                        temperature=temperature, seed=seed))
-        return sampled_trajectories(tokenizer, messages, tools, prompt, completions)
-
-    async def checkpoints(self, model: ModelSpec) -> list[int]:
-        from ..training.checkpoints import list_checkpoints
-
-        self._check_open()
-        return [c.step for c in list_checkpoints(self.model_dir(model))]
-
-    async def delete_checkpoints(self, model: ModelSpec, steps: Sequence[int]) -> list[int]:
-        from ..training.checkpoints import delete_checkpoints
-
-        slot = self._slot(model)
-        return delete_checkpoints(slot.model_dir, steps, keep=slot.step)
-
-    async def history(self, model: ModelSpec) -> list[dict[str, Any]]:
-        self._check_open()
-        return read_history(self.model_dir(model))
+        slot.steps.hold = slot.gateway.control if slot.gateway is not None else EngineHold(slot.engine)
+        self._models.add(model, slot)
+        return slot.steps.step
 
     # -- serving ----------------------------------------------------------------------------------------
 
-    async def _start_gateway(self, model: ModelSpec, slot: _Slot) -> Gateway:
+    async def _start_gateway(self, model: ModelSpec, engine: Any) -> Gateway:
         try:
             from ..gateway import Gateway, GatewaySettings, RecordStore
         except ImportError as exc:
@@ -311,25 +212,11 @@ class LocalBackend:
                               "pip install 'art-core[serve]', or LocalBackend(serve=False)") from exc
         base_name = Path(str(model.base_model)).name  # a folder path is served under its last component
         settings = GatewaySettings(model_name=model.name, base_model_name=base_name,
-                                   records_path=slot.model_dir / "records.jsonl", **self._gateway_options)
-        gateway = Gateway(slot.engine, settings, RecordStore(settings.records_path))
+                                   records_path=self.model_dir(model) / "records.jsonl", **self._gateway_options)
+        gateway = Gateway(engine, settings, RecordStore(settings.records_path))
         if self.gateway_mount is not None:
             return gateway.attach(self.gateway_mount(model))
         return await gateway.start()
-
-    def gateway(self, model: ModelSpec) -> Gateway:
-        """The model's running gateway (its ``app``, ``records``, URLs).
-
-        Raises:
-            LifecycleError: the model is not registered, or this backend was made with ``serve=False``.
-        """
-        return self._gateway(model)
-
-    def _gateway(self, model: ModelSpec) -> Gateway:
-        gateway = self._slot(model).gateway
-        if gateway is None:
-            raise LifecycleError("this LocalBackend was created with serve=False: it runs no gateway")
-        return gateway
 
     # -- work done in a worker thread -----------------------------------------------------------------
 
@@ -360,37 +247,11 @@ class LocalBackend:
             adapter_dir=adapter_dir, trainer_device=device, inference_device=self.inference_device or device,
             trainer_shares=self._trainer.shares_with_engine, vllm=self.vllm, log_dir=model_dir / "logs",
             transformers=self.transformers))
-        return _Slot(trainer, serving, model_dir, step)
-
-    def _train_sync(self, slot: _Slot, groups: list[TrajectoryGroup], config: TrainConfig,
-                    report: Callable[[int, int], None] | None = None) -> tuple[dict[str, Any], Path | None]:
-        """Trajectories to disk, one step, the checkpoint. Returns the metrics and the new checkpoint (or None)."""
-        from ..training.checkpoints import write_checkpoint
-
-        next_step = slot.step + 1
-        # Everything the step learns from is on disk before it starts.
-        write_groups_jsonl(trajectories_path(slot.model_dir, next_step), groups)
-        with progress_bar(f"training step {next_step}", enabled=self.show_progress and report is None) as bar:
-            metrics: dict[str, Any] = dict(slot.trainer.train_step(groups, config, progress=report or bar))
-        if not metrics.get("trained"):
-            return metrics, None
-        checkpoint = write_checkpoint(slot.model_dir, next_step, slot.trainer.save,
-                                      metadata={"loss": config.loss, "reward_mean": metrics["reward_mean"]})
-        slot.step = next_step
-        return metrics, checkpoint
+        steps = StepRunner(name=model.name, model_dir=model_dir, step=step, work=_LocalSteps(self, trainer, serving),
+                           hold=EngineHold(serving.engine), engine_label=self.inference)
+        return _Slot(trainer, serving, steps)
 
     # -- helpers --------------------------------------------------------------------------------------
-
-    def _slot(self, model: ModelSpec) -> _Slot:
-        self._check_open()
-        slot = self._slots.get((model.project, model.name))
-        if slot is None:
-            raise LifecycleError(f"model {model.name!r} is not registered with this backend")
-        return slot
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LifecycleError("this LocalBackend is closed; create a new one")
 
     def _with_threads(self, fn: Callable[[], T]) -> T:
         with torch_threads(self.num_threads):  # scoped: restored after, also when two models step at once

@@ -16,6 +16,7 @@ connection drops during a step, the client re-attaches to it for up to ``reconne
 from __future__ import annotations
 
 import asyncio
+import functools
 import gzip
 import json
 import logging
@@ -30,7 +31,7 @@ import httpx
 from pydantic import TypeAdapter
 
 from ..config import TrainConfig
-from ..errors import ConfigError, LifecycleError, ServerError, ServerUnavailableError
+from ..errors import ConfigError, ModelNotRegisteredError, ServerError, ServerUnavailableError
 from ..wire import (
     API_PREFIX,
     ROLLOUT_ID_PATTERN,
@@ -43,8 +44,10 @@ from ..wire import (
     train_id_for,
 )
 from ..types import Trajectory, TrajectoryGroup
+from ._http import LoopClient
+from ._tables import ModelTable
 from ._progress import progress_bar
-from .base import ModelSpec, TrainResult
+from .base import ModelSpec, Progress, TrainResult
 
 if TYPE_CHECKING:
     from ..gateway.records import ExchangeRecord
@@ -54,7 +57,14 @@ __all__ = ["RemoteBackend"]
 logger = logging.getLogger(__name__)
 
 _TRAJECTORIES = TypeAdapter(list[Trajectory])
-_RECORDS: TypeAdapter[list[ExchangeRecord]] | None = None  # built on first use (the records module loads lazily)
+
+
+@functools.cache
+def _records_adapter() -> TypeAdapter[list[ExchangeRecord]]:
+    """Built on first use: the records module loads lazily."""
+    from ..gateway.records import ExchangeRecord
+
+    return TypeAdapter(list[ExchangeRecord])
 
 
 class RemoteBackend:
@@ -86,10 +96,9 @@ class RemoteBackend:
         loopback = parts.hostname in ("localhost", "127.0.0.1", "::1")
         self.compress_above = None if loopback else compress_above
         self._headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        self._models: dict[tuple[str, str], Registered] = {}
-        self._client: httpx.AsyncClient | None = None
-        self._sync_client: httpx.Client | None = None
-        self._closed = False
+        # Folders are the server's (``Registered.model_dir``): the table's own root is not used.
+        self._models: ModelTable[Registered] = ModelTable(Path("."), "RemoteBackend")
+        self._http = LoopClient(headers=self._headers, timeout=self.timeout)
 
     def __repr__(self) -> str:
         return f"RemoteBackend({self.url!r})"
@@ -102,23 +111,16 @@ class RemoteBackend:
 
     async def aclose(self) -> None:
         """Close the connections; the models stay served on the server. The backend cannot be used afterwards."""
-        self._closed = True
-        if self._client is not None:
-            await self._client.aclose()
-        if self._sync_client is not None:
-            self._sync_client.close()
+        self._models.close()
+        await self._http.aclose()
 
     # -- the Backend contract (called by TrainableModel) ----------------------------------------------
 
     async def register(self, model: ModelSpec) -> int:
-        self._check_open()
-        key = (model.project, model.name)
-        if key in self._models:
-            raise LifecycleError(f"a model named {model.name!r} in project {model.project!r} is already "
-                                 "registered with this backend")
+        self._models.check_new(model)
         response = await self._call("POST", "/models", content=model.model_dump_json().encode())
         registered = Registered.model_validate_json(response.content)
-        self._models[key] = registered
+        self._models.add(model, registered)
         return registered.step
 
     def base_url(self, model: ModelSpec) -> str:
@@ -133,25 +135,22 @@ class RemoteBackend:
             raise ConfigError(f"rollout id {rollout_id!r} is invalid: use 1-128 letters, digits, '.', '_' or '-'")
         return f"{self._gateway_url(model)}/rollouts/{rollout_id}/v1"
 
-    def rollout_records(self, model: ModelSpec, rollout_id: str) -> list[ExchangeRecord]:
-        from ..gateway.records import ExchangeRecord
+    async def rollout_records(self, model: ModelSpec, rollout_id: str) -> list[ExchangeRecord]:
+        response = await self._gateway_get(model, f"/rollouts/{rollout_id}/records")
+        return _records_adapter().validate_json(response.content)
 
-        response = self._gateway_get(model, f"/rollouts/{rollout_id}/records")
-        global _RECORDS
-        if _RECORDS is None:
-            _RECORDS = TypeAdapter(list[ExchangeRecord])
-        return _RECORDS.validate_json(response.content)
-
-    def rollout_status(self, model: ModelSpec, rollout_id: str) -> RolloutStatus:
-        return RolloutStatus.model_validate_json(self._gateway_get(model, f"/rollouts/{rollout_id}/status").content)
+    async def rollout_status(self, model: ModelSpec, rollout_id: str) -> RolloutStatus:
+        response = await self._gateway_get(model, f"/rollouts/{rollout_id}/status")
+        return RolloutStatus.model_validate_json(response.content)
 
     def model_dir(self, model: ModelSpec) -> Path:
         """The model's folder on the server's disk (not on this machine)."""
         return Path(self._registered(model).model_dir)
 
     async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig, *,
-                    train_id: str | None = None) -> TrainResult:
-        """The contract's ``train``, on the server. ``train_id`` (default: a digest of the groups and config)
+                    progress: Progress | None = None, train_id: str | None = None) -> TrainResult:
+        """The contract's ``train``, on the server. ``progress(done, total)``, when given, gets the server's
+        progress events in place of the progress bar. ``train_id`` (default: a digest of the groups and config)
         makes it idempotent: the same id trains once, however often it is sent."""
         registered = self._registered(model)
         groups_json = [group.model_dump_json() for group in groups]
@@ -162,7 +161,9 @@ class RemoteBackend:
         base = f"{API_PREFIX}/models/{model.project}/{model.name}/train"
         deadline: float | None = None
         attach = False  # first POST the call; after a drop, re-attach by id (or POST again if the server lost it)
-        with progress_bar(f"training step {registered.step + 1}", enabled=self.show_progress) as bar:
+        with progress_bar(f"training step {registered.step + 1}",
+                          enabled=self.show_progress and progress is None) as bar:
+            report = progress or bar
             while True:
                 try:
                     if attach:
@@ -172,20 +173,19 @@ class RemoteBackend:
                     async for kind, data in events:
                         if kind == "accepted":
                             logger.info("train call %s: %s on the server", train_id, data["state"])
-                        elif kind == "progress" and bar is not None:
-                            bar(data["done"], data["total"])
+                        elif kind == "progress" and report is not None:
+                            report(data["done"], data["total"])
                         elif kind == "result":
                             result = TrainResult.model_validate(data)
-                            self._models[(model.project, model.name)] = registered.model_copy(
-                                update={"step": result.step})
+                            self._models.add(model, registered.model_copy(update={"step": result.step}))
                             return result
                         elif kind == "error":
                             raise error_from_wire(ErrorBody.model_validate(data))
                     raise httpx.RemoteProtocolError("the event stream ended before the step's result")
                 except _NotFound:
                     attach = False  # the server restarted before the call finished: send it again
-                except LifecycleError as exc:
-                    if deadline is None or "not registered on this server" not in str(exc):
+                except ModelNotRegisteredError:
+                    if deadline is None:  # no restart seen: the model was never registered there
                         raise
                     # The server restarted and lost its registrations: register again, then resend the call.
                     await self._call("POST", "/models", content=model.model_dump_json().encode())
@@ -221,24 +221,16 @@ class RemoteBackend:
 
     # -- HTTP -------------------------------------------------------------------------------------------
 
-    def _gateway_get(self, model: ModelSpec, path: str) -> httpx.Response:
-        """GET ``path`` of the model's gateway. Sync by contract (the adapters call it from sync code): one
-        loopback or LAN round trip, on a pooled connection."""
+    async def _gateway_get(self, model: ModelSpec, path: str) -> httpx.Response:
+        """GET ``path`` of the model's gateway (one round trip on a pooled connection, off the loop's thread)."""
         url = self._gateway_url(model) + path
-        if self._sync_client is None:
-            self._sync_client = httpx.Client(headers=self._headers, timeout=self.timeout)
         try:
-            response = self._sync_client.get(url)
+            async with self._http.client() as client:
+                response = await client.get(url)
         except httpx.TransportError as exc:
             raise self._unavailable(exc) from exc
         self._raise_for_error(response)
         return response
-
-    def _http(self) -> httpx.AsyncClient:
-        self._check_open()
-        if self._client is None:
-            self._client = httpx.AsyncClient(headers=self._headers, timeout=self.timeout)
-        return self._client
 
     def _encode(self, content: bytes) -> tuple[bytes, dict[str, str]]:
         headers = {"Content-Type": "application/json"}
@@ -250,9 +242,11 @@ class RemoteBackend:
         headers: dict[str, str] = {}
         if content is not None:
             content, headers = self._encode(content)
+        self._check_open()
         try:
-            response = await self._http().request(method, self.url + API_PREFIX + path, content=content,
-                                                  headers=headers)
+            async with self._http.client() as client:
+                response = await client.request(method, self.url + API_PREFIX + path, content=content,
+                                                headers=headers)
         except httpx.TransportError as exc:
             raise self._unavailable(exc) from exc
         self._raise_for_error(response)
@@ -267,8 +261,9 @@ class RemoteBackend:
             headers.update(more)
         # No read timeout: a step may take minutes between two progress events on a big model.
         timeout = httpx.Timeout(self.timeout, read=None)
-        async with self._http().stream(method, self.url + path, content=content, headers=headers,
-                                       timeout=timeout) as response:
+        self._check_open()
+        async with self._http.client() as client, client.stream(method, self.url + path, content=content,
+                                                                headers=headers, timeout=timeout) as response:
             if response.status_code >= 400:
                 await response.aread()
                 if response.status_code == 404 and method == "GET":
@@ -313,15 +308,10 @@ class RemoteBackend:
         return f"/models/{model.project}/{model.name}/{route}"
 
     def _registered(self, model: ModelSpec) -> Registered:
-        self._check_open()
-        registered = self._models.get((model.project, model.name))
-        if registered is None:
-            raise LifecycleError(f"model {model.name!r} is not registered with this backend")
-        return registered
+        return self._models.get(model)
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise LifecycleError("this RemoteBackend is closed; create a new one")
+        self._models.check_open()
 
 
 class _NotFound(Exception):

@@ -14,19 +14,16 @@ The engine and the record store belong to the caller: ``aclose()`` closes neithe
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-
-import uvicorn
 
 from ..engines.base import Engine
 from ..errors import ConfigError, LifecycleError
 from .app import create_app
 from .control import GatewayControl
+from .listen import EmbeddedServer, bind, start_server
 from .metrics import GatewayMetrics
 from .records import RecordStore
 from .settings import GatewaySettings
@@ -39,13 +36,6 @@ class _State(enum.Enum):
     NEW = "new"
     STARTED = "started"
     CLOSED = "closed"
-
-
-class _EmbeddedServer(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        # uvicorn would take over SIGINT/SIGTERM and re-raise them after shutdown; the host program owns them.
-        yield
 
 
 class Gateway:
@@ -75,7 +65,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.app = create_app(engine, self.settings, self.records, control=self.control, metrics=self.metrics)
         self._state = _State.NEW
-        self._server: _EmbeddedServer | None = None
+        self._server: EmbeddedServer | None = None
         self._task: asyncio.Task[None] | None = None
         self._socket: socket.socket | None = None
         self._port: int | None = None
@@ -93,31 +83,18 @@ class Gateway:
         if self._state is not _State.NEW:
             raise LifecycleError(f"Gateway.start() called on a {self._state.value} gateway: a gateway starts once; "
                                  "create a new Gateway to serve again")
-        self._socket = _bind(self.settings.host, self.settings.port)
+        self._socket = bind(self.settings.host, self.settings.port, fix="pick another port, or port=0 for a free one")
         self._port = self._socket.getsockname()[1]
-        config = uvicorn.Config(
-            self.app, host=self.settings.host, port=self._port, log_level="warning",
-            log_config=None,  # leave the host program's logging configuration alone
-            access_log=False, lifespan="off",
-            proxy_headers=False,  # nothing reads the client's address; saves a layer on every request
-            timeout_graceful_shutdown=30,  # on close, in-flight generations get this long to finish
-            # Longer than clients keep idle connections (httpx: 5 s, aiohttp: 15 s), so the client always
-            # closes first. uvicorn's 5 s default races with them: a request sent on a pooled connection
-            # as the server closes it is lost, and after the host blocked the loop for a while, every
-            # idle connection's timer fires at once (seen: 4 of 8 requests hung until the client timeout).
-            timeout_keep_alive=75,
-        )
-        server = _EmbeddedServer(config)
-        self._server = server
-        self._task = asyncio.create_task(server.serve(sockets=[self._socket]), name="art-gateway")
-        while not server.started:
-            if self._task.done():
-                self._socket.close()
-                self._state = _State.CLOSED
-                error = self._task.exception()
-                raise LifecycleError(
-                    f"the gateway failed to start on {self.settings.host}:{self._port}: {error}") from error
-            await asyncio.sleep(0.005)
+
+        def failed(error: BaseException | None) -> Exception:
+            assert self._socket is not None
+            self._socket.close()
+            self._state = _State.CLOSED
+            return LifecycleError(f"the gateway failed to start on {self.settings.host}:{self._port}: {error}")
+
+        self._server, self._task = await start_server(
+            self.app, self._socket, failed=failed,
+            proxy_headers=False)  # nothing reads the client's address; saves a layer on every request
         self._state = _State.STARTED
         return self
 
@@ -222,21 +199,3 @@ class Gateway:
         if self._state is not _State.STARTED:
             raise LifecycleError(
                 f"Gateway.{what} used on a {self._state.value} gateway: use it between start() and aclose()")
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """A listening-ready TCP socket on ``host:port`` (port 0: a free one)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, kind, proto, _, address = infos[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError as exc:
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc}; check GatewaySettings.host") from exc
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(
-            f"cannot listen on {host}:{port}: {exc}; pick another port, or port=0 for a free one") from exc
-    return sock

@@ -116,13 +116,20 @@ def build_judge_prompt(
     return JudgePrompt(messages, schema, labels, step_counts if step_rewards else None, prefix)
 
 
+#: The scores a constrained judge may write: 0, 0.01, ..., 0.99, 1 (see ``answer_schema``).
+SCORE_GRID: list[float] = [0, *(round(k / 100, 2) for k in range(1, 100)), 1]
+
+
 def answer_schema(labels: Sequence[str], step_counts: Sequence[int] | None,
                   explanation_max_chars: int | None) -> dict[str, Any]:
     """The JSON schema of the judge's answer: an object with exactly one entry per label, in order.
 
     Every property is required and no other is allowed (the subset strict structured-output APIs accept);
-    the score's bounds and the explanation's ``maxLength`` bind constrained decoders (our gateway, vLLM),
-    and every answer is checked against them here anyway (``_answer.py``).
+    the explanation's ``maxLength`` and the score grid bind constrained decoders (our gateway, vLLM), and every
+    answer is checked here anyway (``_answer.py``, which takes any number from 0 to 1 from judges that ignore
+    the schema). Scores are the hundredths from 0 to 1, one ``enum`` under ``$defs``: a plain ``number`` has no
+    length bound in JSON schema, and a small judge held to one at temperature 0 can write ``0.1223333...``
+    until the token limit cuts the answer (seen with the embedded model judging itself).
     """
     properties = {}
     for i, label in enumerate(labels):
@@ -131,18 +138,19 @@ def answer_schema(labels: Sequence[str], step_counts: Sequence[int] | None,
             explanation["maxLength"] = explanation_max_chars
         entry: dict[str, Any] = {
             "type": "object",
-            "properties": {"explanation": explanation, "score": {"type": "number", "minimum": 0, "maximum": 1}},
+            "properties": {"explanation": explanation, "score": {"$ref": "#/$defs/score"}},
             "required": ["explanation", "score"],
             "additionalProperties": False,
         }
         if step_counts is not None:
             entry["properties"]["step_scores"] = {
-                "type": "array", "items": {"type": "number", "minimum": 0, "maximum": 1},
+                "type": "array", "items": {"$ref": "#/$defs/score"},
                 "minItems": step_counts[i], "maxItems": step_counts[i],
             }
             entry["required"].append("step_scores")
         properties[label] = entry
-    return {"type": "object", "properties": properties, "required": list(labels), "additionalProperties": False}
+    return {"type": "object", "properties": properties, "required": list(labels), "additionalProperties": False,
+            "$defs": {"score": {"enum": SCORE_GRID}}}
 
 
 def repair_message(problem: str, prompt: JudgePrompt) -> dict[str, Any]:
@@ -151,7 +159,7 @@ def repair_message(problem: str, prompt: JudgePrompt) -> dict[str, Any]:
     return {"role": "user", "content": (
         f"Your answer could not be used: {problem}. Answer again with only a JSON object whose keys are exactly "
         f"{', '.join(prompt.labels)}; each value is an object with \"explanation\" (a short string) and "
-        f"\"score\" (a number from 0 to 1){steps}. No other text."
+        f"\"score\" (a number from 0 to 1, at most two decimals){steps}. No other text."
     )}
 
 
@@ -206,7 +214,7 @@ def _answer_format(labels: Sequence[str], step_rewards: bool, explanation_max_ch
     steps = (' "step_scores" holds one score from 0 to 1 per numbered step of that trajectory, in order.'
              if step_rewards else "")
     return (f"Answer with this JSON object, one entry per trajectory: {example}\n"
-            f"Write the explanation first{limit}, then the score from 0 (worst) to 1 (best).{steps}")
+            f"Write the explanation first{limit}, then the score from 0 (worst) to 1 (best), at most two decimals.{steps}")
 
 
 def _lines(messages: Sequence[dict[str, Any]]) -> str:

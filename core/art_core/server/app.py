@@ -13,7 +13,6 @@ the ``art_core.errors`` class name, so ``RemoteBackend`` raises the same class w
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -34,6 +33,7 @@ from ..errors import (
     CheckpointError,
     ConfigError,
     LifecycleError,
+    ModelNotRegisteredError,
     TrajectoryError,
 )
 from .guard import TrainingBody, bearer_token, send_error
@@ -70,10 +70,15 @@ class _ServedModels:
 
 
 class ServedBackend(Backend, Protocol):
-    """A ``Backend`` the server can put behind its port: it also gives each registered model's gateway."""
+    """A ``Backend`` the server can put behind its port: it also gives each registered model's gateway, and the
+    step it serves (for a client that registers a model the server has already)."""
 
     def gateway(self, model: ModelSpec) -> Gateway:
         """The model's running gateway (the server mounts its ``app`` at ``/gateway/<project>/<name>``)."""
+        ...
+
+    def current_step(self, model: ModelSpec) -> int:
+        """The latest checkpoint written for the model (the one served, unless publishing it failed)."""
         ...
 
 
@@ -91,14 +96,12 @@ def create_server_app(backend: ServedBackend, *, token: str | None, max_body_byt
     served = _ServedModels()
     jobs = TrainJobs()
     registering = asyncio.Lock()  # two clients registering one model at once: one loads it, one attaches
-    # LocalBackend reports each micro-batch; a backend whose train takes no progress reports none.
-    reports_progress = "progress" in inspect.signature(backend.train).parameters
 
     def spec_of(request: Request) -> ModelSpec:
         key = (request.path_params["project"], request.path_params["name"])
         spec = served.specs.get(key)
         if spec is None:
-            raise LifecycleError(f"model {key[1]!r} of project {key[0]!r} is not registered on this server: "
+            raise ModelNotRegisteredError(f"model {key[1]!r} of project {key[0]!r} is not registered on this server: "
                                  "call `await model.register(RemoteBackend(...))` first")
         return spec
 
@@ -118,7 +121,7 @@ def create_server_app(backend: ServedBackend, *, token: str | None, max_body_byt
                 raise LifecycleError(f"model {spec.name!r} of project {spec.project!r} is already registered on "
                                      f"this server with another spec ({_spec_diff(known, spec)}): use another name")
             else:  # the same model again (its client restarted): attach to what is served
-                step = backend.gateway(spec).engine.adapter_step
+                step = backend.current_step(spec)
         return _json(Registered(step=step, model_dir=str(backend.model_dir(spec))))
 
     async def train(request: Request) -> Response:
@@ -130,8 +133,7 @@ def create_server_app(backend: ServedBackend, *, token: str | None, max_body_byt
         job, state = jobs.attach(body.train_id, digest, record_dir)
         if job is None:
             async def run(progress: Any) -> dict[str, Any]:
-                options = {"progress": progress} if reports_progress else {}
-                result = await backend.train(spec, body.groups, body.config, **options)
+                result = await backend.train(spec, body.groups, body.config, progress=progress)
                 return result.model_dump(mode="json")
 
             job = jobs.start(body.train_id, digest, record_dir, run)

@@ -128,8 +128,7 @@ async def serve(settings: ServerSettings, *, ready: Any = None) -> None:
     Raises:
         ConfigError: the host/port cannot be bound.
     """
-    import uvicorn
-
+    from ..gateway.listen import bind, start_server
     from .app import create_server_app
 
     _quiet_progress_bars()
@@ -139,32 +138,27 @@ async def serve(settings: ServerSettings, *, ready: Any = None) -> None:
         # Process-wide, as `art-core demo` does: the engine's decode loop runs outside LocalBackend's
         # per-call thread setting, and 2 threads on a busy 2-core machine collapse (see ENVIRONMENT.md).
         torch.set_num_threads(settings.num_threads)
-    sock = _bind(settings.host, settings.port)
+    sock = bind(settings.host, settings.port, fix="pick another --port (0: a free one)")
     url = f"http://{_client_host(settings.host)}:{sock.getsockname()[1]}"
     backend = _backend(settings, url)
     app = create_server_app(backend, token=settings.token, max_body_bytes=settings.max_body_bytes)
-    config = uvicorn.Config(app, log_level="warning", log_config=None, access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=30, timeout_keep_alive=75)  # keep-alive: see gateway/server.py
-    server = _Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        # Stop accepting, let open streams end, then close the backend; uvicorn would re-raise the signal
-        # after its own shutdown, which ends the process before the backend is closed.
-        loop.add_signal_handler(signum, setattr, server, "should_exit", True)
+    server = task = None
     try:
-        while not server.started:
-            if task.done():
-                await task
-                raise ConfigError(f"the server failed to start on {url}")
-            await asyncio.sleep(0.01)
+        server, task = await start_server(app, sock, failed=lambda error: ConfigError(
+            f"the server failed to start on {url}: {error}"))
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            # Stop accepting, let open streams end, then close the backend; uvicorn would re-raise the signal
+            # after its own shutdown, which ends the process before the backend is closed.
+            loop.add_signal_handler(signum, setattr, server, "should_exit", True)
         if ready is not None:
             ready(url)
         await task
     finally:
-        server.should_exit = True
-        with contextlib.suppress(BaseException):
-            await asyncio.shield(task)
+        if server is not None and task is not None:
+            server.should_exit = True
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(task)
         await app.jobs.aclose()
         await backend.aclose()
         sock.close()
@@ -224,34 +218,8 @@ def _quiet_progress_bars() -> None:
         pass
 
 
-class _Server:
-    """uvicorn's server without its signal capture (``serve`` installs its own handlers)."""
-
-    def __new__(cls, config: Any) -> Any:
-        import uvicorn
-
-        class Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self):  # type: ignore[no-untyped-def]
-                yield
-
-        return Server(config)
-
-
 def _client_host(host: str) -> str:
     # The gateways' URLs are handed to clients; on a wildcard host, name this machine (clients are elsewhere).
     if host in ("0.0.0.0", "::", ""):
         return socket.gethostname()
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-    except OSError as exc:
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc}; pick another --port (0: a free one)") from exc
-    return sock

@@ -8,10 +8,11 @@
                       TrainerGroup -------> TrainerRank x trainer_workers    (torch.distributed)
                       model_dir: checkpoints, trajectories, records, history (on the driver's disk)
 
-A step: the gateway pauses (requests wait), the groups are written to disk, the trainer group trains on
-them split by tokens, rank 0's checkpoint is written atomically on the driver's disk, the adapter goes
-through the object store to every replica, which hot-loads it, and the gateway resumes once every replica
-serves the new step.
+A step runs as on every backend (``_steps.StepRunner``: groups to disk, pause, train, checkpoint, publish,
+history, resume); this backend supplies how it trains (the trainer group, on the groups split by tokens; rank
+0's adapter comes back and is written atomically on the driver's disk) and how it publishes (the adapter goes
+through the object store to every replica, which hot-loads it; the gateway resumes once every replica serves
+the new step, and stays paused with the error if one cannot).
 
 Ray is started and stopped through its API only: ``address=None`` starts a local cluster whose temp and
 log files stay under ``<path>/ray`` and which ``aclose()`` stops; any other address (``"auto"``,
@@ -21,9 +22,9 @@ log files stay under ``<path>/ray`` and which ``aclose()`` stops; any other addr
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import secrets
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,17 +32,16 @@ from typing import TYPE_CHECKING, Any
 
 from ..._threads import HELPERS
 from ...config import TrainConfig
-from ...engines.base import SamplingParams
 from ...errors import ConfigError, LifecycleError
-from ...types import Trajectory, TrajectoryGroup, trace_links, write_groups_jsonl
-from ..base import ModelSpec, TrainResult
-from .._shared import append_history, read_history, render_chat, sampled_trajectories, trajectories_path
+from ...types import TrajectoryGroup
+from .._shared import ServesModels
+from .._tables import ModelTable
+from .._steps import StepRunner, Trained
+from ..base import ModelSpec, Progress
 
 if TYPE_CHECKING:
     from .._engines import VLLMOptions
     from ...gateway import Gateway
-    from ...gateway.records import ExchangeRecord
-    from ...wire import RolloutStatus
     from .replicas import ReplicaRouter
     from .rollouts import RolloutPool, RolloutStats
     from .trainer_group import TrainerGroup
@@ -51,23 +51,53 @@ __all__ = ["RayBackend"]
 _ROLES = ("replica", "trainer", "rollout")
 _AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 """Ray's token-auth settings: a new local cluster otherwise writes its token to ``~/.ray/auth_token``."""
-_TOKEN: list[str] = []
-"""This process's token for the local clusters it starts: Ray's loader caches the first token it reads, so a
-second local cluster in the same process must use the same one."""
+
+
+@functools.cache
+def _local_cluster_token() -> str:
+    """This process's token for the local clusters it starts: Ray's loader caches the first token it reads, so a
+    second local cluster in the same process must use the same one."""
+    return secrets.token_hex(32)
 
 
 @dataclass
 class _Slot:
-    model_dir: Path
-    step: int
     router: ReplicaRouter
     trainer: TrainerGroup
     gateway: Gateway
     worker_url: str
     pools: dict[str, RolloutPool]
+    steps: StepRunner
+
+    @property
+    def engine(self) -> ReplicaRouter:
+        return self.router
 
 
-class RayBackend:
+@dataclass
+class _RaySteps:
+    """How a step trains and publishes on the cluster (``_steps.StepWork``)."""
+
+    trainer: TrainerGroup
+    router: ReplicaRouter
+
+    async def train(self, groups: list[TrajectoryGroup], config: TrainConfig, *, step: int,
+                    progress: Progress | None, return_gradients: bool = False) -> Trained:
+        result = await self.trainer.train(groups, config, return_gradients=return_gradients)
+        if progress is not None:  # the ranks report nothing until the step ends
+            progress(len(groups), len(groups))
+        files = result["checkpoint"]
+        extra = {"shares": result["shares"], **({"gradients": result["gradients"]} if return_gradients else {})}
+        trained = result["metrics"].get("trained")
+        return Trained(result["metrics"], (lambda folder: _write_files(folder, files)) if trained else None, extra)
+
+    async def publish(self, checkpoint: Path, step: int) -> None:
+        from .replicas import adapter_files
+
+        await self.router.load_adapter_files(adapter_files(checkpoint), step)
+
+
+class RayBackend(ServesModels):
     """Trains and serves on a Ray cluster; implements ``art_core.backends.Backend``.
 
     Args:
@@ -141,10 +171,9 @@ class RayBackend:
         self.max_rollout_attempts = max_rollout_attempts
         self.sharding = sharding
         self.vllm = vllm_options
-        self._slots: dict[tuple[str, str], _Slot] = {}
+        self._models: ModelTable[_Slot] = ModelTable(self.path, "RayBackend")
         self._env_before: dict[str, str | None] | None = None
         self._started = False
-        self._closed = False
 
     async def __aenter__(self) -> RayBackend:
         return self
@@ -152,10 +181,7 @@ class RayBackend:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    # -- the Backend contract -------------------------------------------------------------------------
-
-    def model_dir(self, model: ModelSpec) -> Path:
-        return self.path / model.project / "models" / model.name
+    # -- the Backend contract (the rest is ServesModels') --------------------------------------------
 
     async def register(self, model: ModelSpec) -> int:
         from transformers import AutoTokenizer
@@ -166,11 +192,7 @@ class RayBackend:
         from .replicas import EngineReplica, ReplicaRouter
         from .trainer_group import TrainerGroup
 
-        self._check_open()
-        key = (model.project, model.name)
-        if key in self._slots:
-            raise LifecycleError(f"a model named {model.name!r} in project {model.project!r} is already "
-                                 "registered with this backend")
+        self._models.check_new(model)
         ray = self._ray()
         base_dir = str(resolve_base_model(model.base_model))  # the driver's copy, for the gateway's tokenizer
         model_dir = self.model_dir(model)
@@ -204,115 +226,33 @@ class RayBackend:
         host = self.gateway_host
         if host in ("0.0.0.0", "", "::"):  # workers on other nodes reach this node by its address
             host = ray.util.get_node_ip_address()
-        self._slots[key] = _Slot(model_dir, step, router, trainer, gateway, f"http://{host}:{gateway.port}", {})
+        steps = StepRunner(name=model.name, model_dir=model_dir, step=step, work=_RaySteps(trainer, router),
+                           hold=gateway.control, engine_label="Ray replicas'")
+        self._models.add(model, _Slot(router, trainer, gateway, f"http://{host}:{gateway.port}", {}, steps))
         return step
-
-    def base_url(self, model: ModelSpec) -> str:
-        return self._slot(model).gateway.base_url
-
-    def gateway(self, model: ModelSpec) -> Gateway:
-        """The model's running gateway (its ``app``, ``records``, URLs); ``art-core serve`` mounts its app.
-
-        Raises:
-            LifecycleError: the model is not registered, or this backend is closed.
-        """
-        return self._slot(model).gateway
-
-    def api_key(self, model: ModelSpec) -> str | None:
-        return self._slot(model).gateway.settings.api_key
-
-    def rollout_base_url(self, model: ModelSpec, rollout_id: str) -> str:
-        return self._slot(model).gateway.rollout_base_url(rollout_id)
-
-    def rollout_records(self, model: ModelSpec, rollout_id: str) -> list[ExchangeRecord]:
-        return self._slot(model).gateway.records.for_rollout(rollout_id)
-
-    def rollout_status(self, model: ModelSpec, rollout_id: str) -> RolloutStatus:
-        return self._slot(model).gateway.rollout_status(rollout_id)
-
-    async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig) -> TrainResult:
-        result = await self.train_step(model, groups, config)
-        return TrainResult(metrics=result["metrics"], step=result["step"])
 
     async def train_step(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig, *,
                          return_gradients: bool = False) -> dict[str, Any]:
         """``train``, returning more: ``metrics``, ``step``, ``shares`` (group indices per rank) and, when
         ``return_gradients``, each rank's summed LoRA gradients (name -> array) before the optimizer step."""
-        import warnings
-
-        from ...training.checkpoints import write_checkpoint
-        from ...training.trainer import ZeroVarianceGroupsWarning
-        from .replicas import adapter_files
-
-        slot = self._slot(model)
-        groups = list(groups)
-        await slot.gateway.pause_for_training()  # in-flight requests finish; new ones wait
-        try:
-            next_step = slot.step + 1
-            # Everything the step learns from is on disk before it starts.
-            write_groups_jsonl(trajectories_path(slot.model_dir, next_step), groups)
-            result = await slot.trainer.train(groups, config, return_gradients=return_gradients)
-            for message in result["warnings"]:
-                warnings.warn(ZeroVarianceGroupsWarning(message), stacklevel=3)
-            metrics = result["metrics"]
-            if metrics.get("trained"):
-                files = result["checkpoint"]
-                path = write_checkpoint(slot.model_dir, next_step, lambda d: _write_files(d, files),
-                                        metadata={"loss": config.loss, "reward_mean": metrics["reward_mean"]})
-                slot.step = next_step
-                await slot.router.load_adapter_files(adapter_files(path), next_step)
-            append_history(slot.model_dir, {"step": slot.step, "time": time.time(), **metrics, **trace_links(groups)})
-        finally:
-            # Checks that every replica serves the step just written; requests stay held if not.
-            await slot.gateway.resume_after_training(slot.step)
-        out = {"metrics": metrics, "step": slot.step, "shares": result["shares"]}
-        if return_gradients:
-            out["gradients"] = result["gradients"]
-        return out
-
-    async def sample(self, model: ModelSpec, messages: Sequence[dict[str, Any]], *, n: int, max_tokens: int,
-                     temperature: float, tools: list[dict[str, Any]] | None, seed: int | None) -> list[Trajectory]:
-        slot = self._slot(model)
-        tokenizer = slot.router.tokenizer
-        messages = list(messages)
-        prompt = render_chat(tokenizer, messages, tools)
-        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)
-        async with slot.gateway.control.admitted():  # waits while a step runs, like a gateway request
-            completions = await slot.router.generate(prompt, params)
-        return sampled_trajectories(tokenizer, messages, tools, prompt, completions)
-
-    async def checkpoints(self, model: ModelSpec) -> list[int]:
-        from ...training.checkpoints import list_checkpoints
-
-        self._check_open()
-        return [c.step for c in list_checkpoints(self.model_dir(model))]
-
-    async def delete_checkpoints(self, model: ModelSpec, steps: Sequence[int]) -> list[int]:
-        from ...training.checkpoints import delete_checkpoints
-
-        slot = self._slot(model)
-        return delete_checkpoints(slot.model_dir, steps, keep=slot.step)
-
-    async def history(self, model: ModelSpec) -> list[dict[str, Any]]:
-        self._check_open()
-        return read_history(self.model_dir(model))
+        outcome = await self._models.get(model).steps.run(groups, config, None, return_gradients=return_gradients)
+        return {"metrics": outcome.result.metrics, "step": outcome.result.step, **outcome.extra}
 
     async def aclose(self) -> None:
         """Stop the gateways, the actors and, when this backend started it, the local Ray cluster."""
-        if self._closed:
+        if self._models.closed:
             return
-        self._closed = True
-        if not self._slots and not self._started:
+        slots = self._models.close()
+        if not slots and not self._started:
             return  # never reached Ray (it may not even be installed)
         import ray
 
-        for slot in self._slots.values():
+        for slot in slots:
             await slot.gateway.aclose()
             await slot.router.aclose()
             await slot.trainer.aclose()
             for actor in [*slot.router.all_replicas, *(w for p in slot.pools.values() for w in p.workers)]:
                 ray.kill(actor)  # our own actors, by handle
-        self._slots.clear()
         if self._started:
             ray.shutdown()
         if self._env_before is not None:  # undo what starting the local cluster set (see _ray)
@@ -339,7 +279,7 @@ class RayBackend:
         """
         from .rollouts import RolloutPool, RolloutWorker, import_rollout
 
-        slot = self._slot(model)
+        slot = self._models.get(model)
         pool = slot.pools.get(rollout)
         if pool is None:
             import_rollout(rollout)  # a typo fails here, with the path, not in every worker
@@ -349,26 +289,26 @@ class RayBackend:
                 scheduling_strategy="SPREAD", max_concurrency=self.rollouts_per_worker + 1)
             spec = model.model_dump(mode="json")
             pool = RolloutPool(lambda: actor.remote(rollout=rollout, gateway_url=slot.worker_url,
-                                                    api_key=self._api_key, spec=spec, step=slot.step),
+                                                    api_key=self._api_key, spec=spec, step=slot.steps.step),
                                workers=self.rollout_workers, per_worker=self.rollouts_per_worker,
                                max_attempts=self.max_rollout_attempts)
             slot.pools[rollout] = pool
-        return await pool.gather(list(tasks), n=n, step=slot.step)
+        return await pool.gather(list(tasks), n=n, step=slot.steps.step)
 
     def rollout_stats(self, model: ModelSpec, rollout: str) -> RolloutStats:
         """What the last ``gather`` of ``rollout`` did: succeeded, failed with a lost worker, retried..."""
-        pool = self._slot(model).pools.get(rollout)
+        pool = self._models.get(model).pools.get(rollout)
         if pool is None:
             raise LifecycleError(f"no rollout of {rollout!r} was gathered on this backend yet")
         return pool.stats
 
     def router(self, model: ModelSpec) -> ReplicaRouter:
         """The model's replica router (the engine behind its gateway): replicas, routing counts, steps."""
-        return self._slot(model).router
+        return self._models.get(model).router
 
     def trainer_group(self, model: ModelSpec) -> TrainerGroup:
         """The model's trainer group (its rank actors)."""
-        return self._slot(model).trainer
+        return self._models.get(model).trainer
 
     # -- helpers --------------------------------------------------------------------------------------
 
@@ -387,10 +327,8 @@ class RayBackend:
                 self._env_before = {name: os.environ.get(name) for name in _AUTH_ENV}
                 if not any(self._env_before.values()):
                     token = temp / "auth_token"
-                    if not _TOKEN:
-                        _TOKEN.append(secrets.token_hex(32))
                     token.touch(mode=0o600)
-                    token.write_text(_TOKEN[0])
+                    token.write_text(_local_cluster_token())
                     os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
                 ray.init(_temp_dir=str(temp), include_dashboard=False, runtime_env=self.runtime_env,
                          log_to_driver=False)
@@ -399,17 +337,6 @@ class RayBackend:
                 ray.init(address=self.address, runtime_env=self.runtime_env, log_to_driver=False)
                 self._started = True
         return ray
-
-    def _slot(self, model: ModelSpec) -> _Slot:
-        self._check_open()
-        slot = self._slots.get((model.project, model.name))
-        if slot is None:
-            raise LifecycleError(f"model {model.name!r} is not registered with this backend")
-        return slot
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LifecycleError("this RayBackend is closed; create a new one")
 
 
 def _vllm_options(options: VLLMOptions | None) -> VLLMOptions:

@@ -18,13 +18,13 @@ import importlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ...config import LoraSettings
 from ...errors import ConfigError, LifecycleError
 from ...types import Trajectory, TrajectoryGroup
 from ...wire import RolloutStatus
+from .._http import LoopClient
 from ..base import ModelSpec
 
 __all__ = ["GatewayView", "RolloutPool", "RolloutStats", "RolloutWorker", "import_rollout"]
@@ -55,23 +55,20 @@ def import_rollout(path: str) -> RolloutFn:
 
 
 class GatewayView:
-    """A ``Backend`` that only reaches a gateway over HTTP: what a rollout worker's ``TrainableModel`` needs.
-
-    Training and sampling stay with the driver; those calls raise ``LifecycleError``.
+    """What a rollout worker's ``TrainableModel`` reaches the driver's gateway through, over HTTP: the adapters'
+    ``GatewayAccess`` and nothing more (``model.attach(view, step=...)``; training stays with the driver).
 
     Args:
         url: the gateway's root URL (``http://host:port``).
         api_key: its bearer token, if it wants one.
         step: the step it serves.
-        client: an ``httpx.Client`` to fetch records with (its pooled connection is reused across rollouts);
+        client: a ``LoopClient`` to fetch records with (its pooled connection is reused across rollouts);
             None: one request on a new connection each time.
     """
 
-    def __init__(self, url: str, api_key: str | None, step: int, client: Any = None) -> None:
-        self.url, self.key, self.step, self.client = url.rstrip("/"), api_key, step, client
-
-    async def register(self, model: ModelSpec) -> int:
-        return self.step
+    def __init__(self, url: str, api_key: str | None, step: int, client: LoopClient | None = None) -> None:
+        self.url, self.key, self.step = url.rstrip("/"), api_key, step
+        self.client = client if client is not None else LoopClient(trust_env=False, timeout=60)
 
     def base_url(self, model: ModelSpec) -> str:
         return f"{self.url}/v1"
@@ -82,44 +79,20 @@ class GatewayView:
     def rollout_base_url(self, model: ModelSpec, rollout_id: str) -> str:
         return f"{self.url}/rollouts/{rollout_id}/v1"
 
-    def rollout_records(self, model: ModelSpec, rollout_id: str) -> list[Any]:
+    async def rollout_records(self, model: ModelSpec, rollout_id: str) -> list[Any]:
         from ...gateway.records import ExchangeRecord
 
-        return [ExchangeRecord.model_validate(r) for r in self._get(f"/rollouts/{rollout_id}/records").json()]
+        return [ExchangeRecord.model_validate(r) for r in (await self._get(f"/rollouts/{rollout_id}/records")).json()]
 
-    def rollout_status(self, model: ModelSpec, rollout_id: str) -> RolloutStatus:
-        return RolloutStatus.model_validate(self._get(f"/rollouts/{rollout_id}/status").json())
+    async def rollout_status(self, model: ModelSpec, rollout_id: str) -> RolloutStatus:
+        return RolloutStatus.model_validate((await self._get(f"/rollouts/{rollout_id}/status")).json())
 
-    def _get(self, path: str) -> Any:
-        import httpx
-
+    async def _get(self, path: str) -> Any:
         headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
-        # Sync by contract (the adapters call it from sync code): one pooled round trip per rollout.
-        get = self.client.get if self.client is not None else httpx.get
-        response = get(self.url + path, headers=headers, timeout=60)
+        async with self.client.client() as client:  # the worker's loop serves its other rollouts meanwhile
+            response = await client.get(self.url + path, headers=headers)
         response.raise_for_status()
         return response
-
-    def model_dir(self, model: ModelSpec) -> Path:
-        raise LifecycleError("a rollout worker has no model folder: checkpoints live with the RayBackend's driver")
-
-    async def train(self, *args: Any, **kwargs: Any) -> Any:
-        raise LifecycleError("rollout workers do not train: return trajectories, the driver trains on them")
-
-    async def sample(self, *args: Any, **kwargs: Any) -> Any:
-        raise LifecycleError("rollout workers do not sample directly: call the gateway (model.base_url)")
-
-    async def checkpoints(self, model: ModelSpec) -> list[int]:
-        raise LifecycleError("checkpoints live with the RayBackend's driver")
-
-    async def delete_checkpoints(self, model: ModelSpec, steps: Sequence[int]) -> list[int]:
-        raise LifecycleError("checkpoints live with the RayBackend's driver")
-
-    async def history(self, model: ModelSpec) -> list[dict[str, Any]]:
-        raise LifecycleError("history lives with the RayBackend's driver")
-
-    async def aclose(self) -> None:
-        return None
 
 
 class RolloutWorker:
@@ -135,12 +108,10 @@ class RolloutWorker:
 
     def __init__(self, *, rollout: str, gateway_url: str, api_key: str | None, spec: dict[str, Any],
                  step: int) -> None:
-        import httpx
-
         self.fn = import_rollout(rollout)
         self.spec = ModelSpec.model_validate(spec)
         self.url, self.api_key = gateway_url, api_key
-        self._records = httpx.Client(trust_env=False)  # the gateway is ours: no proxy from the environment
+        self._records = LoopClient(trust_env=False, timeout=60)  # the gateway is ours: no proxy from the environment
 
     async def run(self, task: Any, step: int) -> dict[str, Any]:
         """One rollout of ``task``; returns the trajectory as JSON (``Trajectory.model_dump(mode="json")``)."""
@@ -149,7 +120,7 @@ class RolloutWorker:
         # A model object per rollout (cheap: it holds names), so model.step is the driver's step now.
         model = TrainableModel(name=self.spec.name, project=self.spec.project, base_model=self.spec.base_model,
                                lora=LoraSettings.model_validate(self.spec.lora.model_dump()))
-        await model.register(GatewayView(self.url, self.api_key, step, client=self._records))
+        model.attach(GatewayView(self.url, self.api_key, step, client=self._records), step=step)
         trajectory = await self.fn(model, task)
         if not isinstance(trajectory, Trajectory):
             raise ConfigError(f"the rollout function returned {type(trajectory).__name__}, not a Trajectory")

@@ -1,0 +1,282 @@
+"""One training step, the same on every backend: ``StepRunner`` runs it, the backend supplies only what differs.
+
+    runner = StepRunner(name=..., model_dir=..., step=..., work=work, hold=gateway.control, engine_label="vllm")
+    outcome = await runner.run(groups, config, progress)     # one step at a time per model
+    async with runner.serving():                             # sample: waits while a step runs
+        ...
+
+What a backend supplies (``StepWork``): ``train`` (run the step where its trainer lives: this process, a Ray
+trainer group) and ``publish`` (make its engine(s) serve a checkpoint). Everything else is here, once:
+
+1. the groups go to ``trajectories/NNNN.jsonl``: nothing is trained on that is not on disk first;
+2. pause (the ``pause_during_step`` policy, on by default): the gateway stops admitting requests (they wait,
+   they do not fail), in-flight ones finish, and the engine pauses;
+3. train, then ``checkpoints/NNNN`` is written atomically (nothing when every group was dropped);
+4. publish the checkpoint, then append the step's row to ``history.jsonl`` (``kind: "grpo"``);
+5. resume: the gateway checks the engine serves the new step, then releases the held requests.
+
+If publishing fails (the adapter does not load, an engine process died), the trajectories and checkpoint stay
+on disk, the gateway stays paused (it never serves the old step as if it were the new one), ``train`` raises
+an ``EngineError`` naming the checkpoint and the cause, and ``sample`` raises it too. A later successful step
+resumes serving. A step that fails before its checkpoint is written changes nothing: serving goes on.
+
+The asynchronous pipeline will run with ``pause_during_step=False``: requests keep being served by the previous
+checkpoint while the next one trains, and only a failed publish pauses the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import warnings
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from .._threads import HELPERS
+from ..errors import EngineError
+from ..types import TrajectoryGroup, trace_links, write_groups_jsonl
+from ._shared import append_history, trajectories_path
+from .base import Progress, TrainResult
+
+if TYPE_CHECKING:
+    from ..config import TrainConfig
+    from ..engines.base import Engine
+
+__all__ = ["EngineHold", "Hold", "StepOutcome", "StepRunner", "StepWork", "Trained", "warn_at_caller"]
+
+STEP_KIND = "grpo"
+"""``history.jsonl``'s ``kind`` for a GRPO step (supervised steps will write another kind on the same path)."""
+
+
+@dataclass
+class Trained:
+    """What a backend's ``StepWork.train`` returns."""
+
+    metrics: dict[str, Any]
+    """The step's metrics (``trained`` says whether the adapter changed)."""
+    save: Callable[[Path], None] | None
+    """Writes the new adapter's files into a folder (``write_checkpoint`` makes it atomic); None: nothing
+    was trained, no checkpoint is written."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Anything more the backend's own callers want back (a Ray step's shares and gradients)."""
+
+
+@dataclass
+class StepOutcome:
+    """What ``StepRunner.run`` returns."""
+
+    result: TrainResult
+    extra: dict[str, Any]
+    """``Trained.extra``, as the backend's ``train`` returned it."""
+
+
+class StepWork(Protocol):
+    """What a backend supplies for one model's steps."""
+
+    async def train(self, groups: list[TrajectoryGroup], config: TrainConfig, *, step: int,
+                    progress: Progress | None, **options: Any) -> Trained:
+        """Run one step on ``groups`` (already on disk) as step ``step``; don't write the checkpoint."""
+        ...
+
+    async def publish(self, checkpoint: Path, step: int) -> None:
+        """Make the engine(s) serve ``checkpoint`` as ``step`` (requests are held; the runner releases them).
+
+        Raises:
+            Exception: the engine could not take it (the runner keeps the gateway paused with this error).
+        """
+        ...
+
+
+class Hold(Protocol):
+    """What holds requests around a step: the gateway's ``GatewayControl``, or ``EngineHold`` when there is no
+    gateway (``LocalBackend(serve=False)``)."""
+
+    @property
+    def state(self) -> Literal["serving", "paused", "closed"]: ...
+
+    async def pause_for_training(self) -> None: ...
+
+    async def resume_after_training(self, expected_step: int) -> None: ...
+
+    def admitted(self) -> Any:
+        """An async context a request runs inside (it waits while paused)."""
+        ...
+
+
+class EngineHold:
+    """``Hold`` over a bare engine (no gateway): pauses and resumes it, and checks the step it serves."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.state: Literal["serving", "paused", "closed"] = "serving"
+
+    async def pause_for_training(self) -> None:
+        self.state = "paused"
+        await self.engine.pause()
+
+    async def resume_after_training(self, expected_step: int) -> None:
+        if self.engine.adapter_step != expected_step:
+            raise EngineError(f"engine serves adapter {self.engine.adapter_step}, expected {expected_step}: "
+                              f"checkpoint {expected_step:04d} was not loaded")
+        await self.engine.resume()
+        self.state = "serving"
+
+    @asynccontextmanager
+    async def admitted(self) -> AsyncIterator[None]:
+        yield  # the engine's own queue orders requests; the runner's ``serving`` already waited for the step
+
+
+class StepRunner:
+    """One model's training steps: one at a time, in the order of the module docstring.
+
+    Args:
+        name: the model's name (for messages).
+        model_dir: ``<root>/<project>/models/<name>``.
+        step: the checkpoint served now (0: the base model).
+        work: the backend's part (``StepWork``).
+        hold: what holds requests during a step (``Hold``).
+        engine_label: names the engine in errors (``"vllm"``, ``"transformers"``, ``"Ray replicas'"``).
+        pause_during_step: hold requests while a step trains (the policy of the module docstring). Default: True.
+    """
+
+    def __init__(self, *, name: str, model_dir: Path, step: int, work: StepWork, hold: Hold, engine_label: str,
+                 pause_during_step: bool = True) -> None:
+        self.name, self.model_dir, self.step = name, model_dir, step
+        self.work, self.hold, self.engine_label = work, hold, engine_label
+        self.pause_during_step = pause_during_step
+        self.error: BaseException | None = None
+        """Why the engine does not serve ``step`` (a failed publish); requests stay held until a step succeeds."""
+        self.waiting_steps = 0
+        """``run`` calls waiting for the step before them to end."""
+        self.waiting_samples = 0
+        """``serving`` callers waiting for a step to end."""
+        self._lock = asyncio.Lock()
+        self._idle = asyncio.Event()  # set while no step runs (with the pause policy): ``serving`` waits for it
+        self._idle.set()
+
+    async def run(self, groups: Sequence[TrajectoryGroup], config: TrainConfig, progress: Progress | None = None,
+                  **options: Any) -> StepOutcome:
+        """One step on ``groups``; a call made while another step runs waits for it (``options`` go to
+        ``StepWork.train``).
+
+        Raises:
+            EngineError: the checkpoint was written but could not be served (see the module docstring).
+            Exception: what training raised; nothing was written but the trajectories, serving goes on.
+        """
+        self.waiting_steps += 1
+        try:
+            await self._lock.acquire()
+        finally:
+            self.waiting_steps -= 1
+        try:
+            if self.pause_during_step:
+                self._idle.clear()
+            return await self._step(list(groups), config, progress, options)
+        finally:
+            self._idle.set()
+            self._lock.release()
+
+    @asynccontextmanager
+    async def serving(self) -> AsyncIterator[None]:
+        """Run a direct request (``sample``) once no step runs, on the checkpoint served.
+
+        Raises:
+            EngineError: the last checkpoint could not be served (a failed publish).
+        """
+        self.waiting_samples += 1
+        try:
+            await self._idle.wait()
+        finally:
+            self.waiting_samples -= 1
+        if self.error is not None:
+            raise EngineError(f"model {self.name!r}: the engine does not serve checkpoint {self.step:04d} "
+                              f"({self.error}); train another step once the cause is fixed") from self.error
+        async with self.hold.admitted():
+            yield
+
+    async def _step(self, groups: list[TrajectoryGroup], config: TrainConfig, progress: Progress | None,
+                    options: dict[str, Any]) -> StepOutcome:
+        from ..training.checkpoints import write_checkpoint
+
+        next_step = self.step + 1
+        # 1. everything the step learns from is on disk before it starts
+        await HELPERS.run(write_groups_jsonl, trajectories_path(self.model_dir, next_step), groups)
+
+        # 2. pause: requests wait (they do not fail); the engine drains and, on a shared GPU, sleeps
+        if self.pause_during_step and self.hold.state == "serving":  # after a failed publish: paused already
+            await self.hold.pause_for_training()
+
+        # 3. train, then the checkpoint (atomic: a folder renamed into place)
+        checkpoint: Path | None = None
+        try:
+            trained = await self.work.train(groups, config, step=next_step, progress=progress, **options)
+            metrics = dict(trained.metrics)
+            if trained.save is not None:
+                checkpoint = await HELPERS.run(write_checkpoint, self.model_dir, next_step, trained.save,
+                                               metadata={"loss": config.loss, "reward_mean": metrics["reward_mean"]})
+                self.step = next_step
+        except BaseException:
+            if self.error is None and self.hold.state == "paused":  # nothing changed: serve on as before
+                await self.hold.resume_after_training(self.step)
+            raise
+        _warn_dropped_groups(groups, metrics)
+
+        # 4. publish, then the history row (written whether or not the engine took the checkpoint)
+        failure: BaseException | None = None
+        if checkpoint is not None:
+            started = time.perf_counter()
+            try:
+                await self.work.publish(checkpoint, self.step)
+            except Exception as exc:
+                failure = exc
+                metrics["adapter_load_error"] = str(exc)
+            metrics["seconds_adapter_load"] = time.perf_counter() - started
+        append_history(self.model_dir, {"step": self.step, "time": time.time(), "kind": STEP_KIND, **metrics,
+                                        **trace_links(groups)})
+        if failure is not None:
+            self.error = failure
+            if self.hold.state == "serving":  # the policy let requests run: stop them reaching the old step
+                await self.hold.pause_for_training()
+            raise EngineError(f"checkpoint {self.step:04d} was trained and written to {checkpoint}, but the "
+                              f"{self.engine_label} engine could not serve it, so the gateway stays paused (held "
+                              f"requests wait; none is served by an older step). The step's trajectories are in "
+                              f"{self.model_dir / 'trajectories'}. Cause: {failure}") from failure
+
+        # 5. resume: the gateway checks the engine serves self.step, then releases held requests
+        if self.hold.state == "paused":
+            try:
+                await self.hold.resume_after_training(self.step)
+            except Exception as exc:  # the engine serves another step: requests stay held
+                self.error = exc
+                raise
+        self.error = None
+        return StepOutcome(TrainResult(metrics=metrics, step=self.step), trained.extra)
+
+
+def _warn_dropped_groups(groups: list[TrajectoryGroup], metrics: dict[str, Any]) -> None:
+    """Warn, at the user's ``model.train`` line, that groups with equal rewards were dropped."""
+    if not metrics.get("groups_dropped"):
+        return
+    from ..training.advantages import compute_group_advantages
+    from ..training.trainer import ZeroVarianceGroupsWarning
+
+    dropped = compute_group_advantages([g.rewards for g in groups], scale="none").dropped_groups
+    warn_at_caller(ZeroVarianceGroupsWarning(
+        f"{len(dropped)} of {len(groups)} group(s) had equal rewards for every trajectory and were dropped "
+        f"(indices {dropped[:10]}); shape the reward so that rollouts of one task differ"))
+
+
+_LIBRARY = ("art_core", "art_plugins", "asyncio")
+
+
+def warn_at_caller(warning: Warning) -> None:
+    """``warnings.warn(warning)`` attributed to the first frame outside art_core, art_plugins and asyncio: the
+    user's line (``await model.train(...)``), not ours, so the console shows the call that caused it."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _LIBRARY:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(warning, stacklevel=level if frame is not None else 2)
