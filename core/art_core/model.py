@@ -9,9 +9,11 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,6 +25,7 @@ from .types import CallRecord, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from .backends.base import Backend, GatewayAccess, ModelSpec
+    from .tracking import ReportTo, TrackingSession
     from .gateway.records import ExchangeRecord
     from .wire import RolloutStatus
 
@@ -57,10 +60,17 @@ class TrainableModel:
         base_model: a local Hugging Face model directory, or a registered name
             (``"smollm2-135m-instruct"``, the embedded default).
         lora: the adapter's shape; fixed for the model's life.
+        report_to: experiment trackers that get every step's metrics, the run's config and a table of the best
+            and worst trajectories: ``"wandb"``, ``"mlflow"``, ``"tensorboard"``, ``"trackio"``, tracker objects
+            (``art_core.tracking``), or a list of them. None (default): none, and no tracker library is imported.
+            A tracker that fails never fails a step. See ``art_core.tracking``.
+
+    Raises:
+        ConfigError: a bad name, or a tracker whose package is not installed.
     """
 
     def __init__(self, *, name: str, project: str = "default", base_model: str | Path = EMBEDDED_MODEL,
-                 lora: LoraSettings | None = None) -> None:
+                 lora: LoraSettings | None = None, report_to: ReportTo = None) -> None:
         self.name = _check_name("model name", name)
         self.project = _check_name("project name", project)
         self.base_model = base_model
@@ -69,6 +79,12 @@ class TrainableModel:
         self._gateway: GatewayAccess | None = None  # the backend, or what ``attach`` was given
         self._step = 0
         self._step_hooks: list[StepHook] = []
+        # report_to lives on the model, as TRL's lives on the trainer's args: it spans the whole run, while a
+        # TrainConfig is per step. It is checked here, before any work starts; libraries load at the first step.
+        self._trackers = self._resolve_trackers(report_to)
+        self._tracking: TrackingSession | None = None
+        self._reporting: concurrent.futures.Future[None] | None = None  # the last step's report, being sent
+        self._last_step_end: float | None = None
         from .backends.base import ModelSpec
 
         self._spec = ModelSpec(name=self.name, project=self.project, base_model=str(base_model), lora=self.lora)
@@ -162,10 +178,70 @@ class TrainableModel:
         groups = list(groups)
         if not groups:
             raise ConfigError("train() got no group: gather at least one TrajectoryGroup first")
-        result = await self.backend.train(self.spec, groups, config or TrainConfig())
+        config = config or TrainConfig()
+        started = time.perf_counter()
+        result = await self.backend.train(self.spec, groups, config)
         self._step = result.step
         await self._run_step_hooks(groups, result.metrics)
+        if self._trackers:
+            seconds = {"step": time.perf_counter() - started}
+            if self._last_step_end is not None:  # the rollouts (and anything else the loop did) since the last step
+                seconds["rollouts"] = started - self._last_step_end
+            await self._report(groups, result.metrics, config, seconds)
+        self._last_step_end = time.perf_counter()
         return result.metrics
+
+    async def finish_tracking(self) -> None:
+        """Wait for the last step's report, then end the trackers' runs (W&B ``finish``, MLflow run marked
+        finished, files closed). A later ``train`` resumes the same runs. Does nothing without ``report_to``."""
+        if self._tracking is not None:
+            await self._reported()
+            await asyncio.wrap_future(self._tracking.submit(self._tracking.finish))
+
+    @property
+    def tracking(self) -> TrackingSession | None:
+        """The model's trackers and their failure count (``tracking.failures``); None without ``report_to`` or
+        before the first step."""
+        return self._tracking
+
+    @staticmethod
+    def _resolve_trackers(report_to: ReportTo) -> list[Any]:
+        if report_to is None or (isinstance(report_to, list | tuple) and not report_to):
+            return []  # off: art_core.tracking is not even imported
+        from .tracking import resolve_trackers
+
+        return resolve_trackers(report_to)
+
+    async def _report(self, groups: list[TrajectoryGroup], metrics: dict[str, Any], config: TrainConfig,
+                      seconds: dict[str, float]) -> None:
+        """Send the step's report in the background: the trackers' I/O (an MLflow server, W&B's service) then
+        overlaps the next rollouts instead of adding to the step. One report in flight at a time, in order:
+        the previous one is waited for first (normally done long before)."""
+        if self._tracking is None:
+            from .tracking import TrackingSession
+
+            self._tracking = TrackingSession(self._trackers, self._tracking_folder())
+        await self._reported()
+        run_config = {"project": self.project, "model": self.name, "base_model": str(self.base_model),
+                      "lora": self.lora.model_dump(), "train": config.model_dump()}
+        tracking, step = self._tracking, self._step
+        self._reporting = tracking.submit(lambda: tracking.report(
+            step=step, metrics=dict(metrics), groups=list(groups), config=run_config, project=self.project,
+            name=self.name, seconds=seconds))
+
+    async def _reported(self) -> None:
+        """Wait until the last step's report has been sent (it never raises: the session counts failures)."""
+        if self._reporting is not None:
+            reporting, self._reporting = self._reporting, None
+            await asyncio.wrap_future(reporting)
+
+    def _tracking_folder(self) -> Path:
+        """``<model_dir>/tracking`` when the model's folder is on this machine (Local, Ray, a server on this
+        host); else ``./art-tracking/<project>/<name>`` (a ``RemoteBackend`` on another machine)."""
+        model_dir = self.model_dir
+        if model_dir.is_dir():
+            return model_dir / "tracking"
+        return Path.cwd() / "art-tracking" / self.project / self.name
 
     def add_step_hook(self, hook: StepHook) -> Callable[[], None]:
         """Call ``hook(model, groups, metrics)`` after every ``train`` (sync or async).

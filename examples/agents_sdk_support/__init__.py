@@ -24,7 +24,7 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
     """Train the support desk; held-out success: the right department and the looked-up fact in the reply."""
     console = console or Console(soft_wrap=True)
     model = TrainableModel(name=name or f"{MODEL_NAME}-{int(time.time())}", project="agents_sdk_support",
-                           base_model=settings.base_model)
+                           base_model=settings.base_model, report_to=list(settings.report_to))
     async with open_backend(settings) as backend:
         await model.register(backend)
         runner = TrainableRunner(model, model_names=[MODEL_NAME], timeout=600)

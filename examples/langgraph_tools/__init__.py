@@ -37,7 +37,7 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
 
     console = console or Console(soft_wrap=True)
     model = TrainableModel(name=name or f"{MODEL_NAME}-{int(time.time())}", project="langgraph_tools",
-                           base_model=settings.base_model)
+                           base_model=settings.base_model, report_to=list(settings.report_to))
     async with open_backend(settings) as backend:
         await model.register(backend)
         # The graph names its model "calc"; trainable() routes those calls to the trainable model.

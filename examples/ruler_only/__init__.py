@@ -56,7 +56,7 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
     if not settings.judge:
         settings = dataclasses.replace(settings, judge="local")
     model = TrainableModel(name=name or f"{MODEL_NAME}-{int(time.time())}", project="ruler_only",
-                           base_model=settings.base_model)
+                           base_model=settings.base_model, report_to=list(settings.report_to))
     async with open_backend(settings) as backend, judge_endpoint(settings) as judge:
         await model.register(backend)
         agent = trainable(build_graph(), model, model_names=[MODEL_NAME], timeout=300)

@@ -24,7 +24,7 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
     """Train the tic-tac-toe player; held-out success is the share of games won."""
     console = console or Console(soft_wrap=True)
     model = TrainableModel(name=name or f"{MODEL_NAME}-{int(time.time())}", project="tic_tac_toe",
-                           base_model=settings.base_model)
+                           base_model=settings.base_model, report_to=list(settings.report_to))
     async with open_backend(settings) as backend:
         await model.register(backend)
         agent = trainable(build_graph(), model, model_names=[MODEL_NAME], recursion_limit=12, timeout=600)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,3 +53,33 @@ def tiny64_model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A simulated 2-node Ray cluster on this machine (``ray.cluster_utils.Cluster``), one per test module;
+    ``cluster.worker`` is the second node (a test may remove it)."""
+    ray = pytest.importorskip("ray", reason="needs art-core[distributed]")
+    from ray.cluster_utils import Cluster
+
+    # Ray's socket paths must stay short: its temp folder is a short one made for this module.
+    temp = tempfile.mkdtemp(prefix="art-ray-", dir="/tmp")
+    before = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = temp  # Ray's address file goes here too, not to /tmp/ray
+    os.mkdir(os.path.join(temp, "ray"))
+    cluster = Cluster(shutdown_at_exit=False)
+    try:
+        cluster.add_node(num_cpus=8, resources={"head": 100}, temp_dir=os.path.join(temp, "ray"),
+                         include_dashboard=False)
+        cluster.worker = cluster.add_node(num_cpus=8)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()  # stops this cluster's own processes (by their handles, not by name)
+    if before is None:
+        os.environ.pop("RAY_TMPDIR", None)
+    else:
+        os.environ["RAY_TMPDIR"] = before
+    shutil.rmtree(temp, ignore_errors=True)

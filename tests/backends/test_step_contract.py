@@ -113,13 +113,13 @@ async def served(request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path:
                 await model.register(backend)
                 yield Served(request.param, model, server.backend._models.get(model.spec).steps)
     else:
-        pytest.importorskip("ray", reason="needs art-core[distributed]")
+        cluster = request.getfixturevalue("cluster")  # conftest.py: one simulated Ray cluster for the module
         from art_core.backends.ray import RayBackend
 
         root = Path(__file__).resolve().parents[2]
         env = {"PYTHONPATH": os.pathsep.join([str(root / "core"), str(root)]), "OMP_NUM_THREADS": "1",
                "TOKENIZERS_PARALLELISM": "false"}
-        async with RayBackend(path=tmp_path, num_threads=1, rollout_workers=1,
+        async with RayBackend(address=cluster.address, path=tmp_path, num_threads=1, rollout_workers=1,
                               runtime_env={"env_vars": env}) as backend:
             await model.register(backend)
             yield Served(request.param, model, backend._models.get(model.spec).steps)

@@ -38,6 +38,36 @@ async def test_langgraph_tools(tiny_model_dir, tmp_path):
     check_run(result)
 
 
+async def test_an_example_reports_to_the_trackers_report_to_names(tiny_model_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from examples import tic_tac_toe
+    from examples._common import parse_settings
+
+    settings = parse_settings("tic-tac-toe", tiny(tiny_model_dir, tmp_path), ["--report-to", "tensorboard"])
+    assert settings.report_to == ("tensorboard",)
+    result = await tic_tac_toe.run(settings)
+    check_run(result)
+    (run_dir,) = (result.model_dir / "tracking" / "tensorboard").iterdir()
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
+    accumulator.Reload()
+    # One report, at the model's step after the call (0 when the tiny model's rollouts all scored alike)
+    history = [json.loads(line) for line in (result.model_dir / "history.jsonl").read_text().splitlines()]
+    assert [e.step for e in accumulator.Tensors("train/reward_mean")] == [history[-1]["step"]]
+    assert len(accumulator.Tensors("rollout/success_mean")) == 1
+
+
+def test_report_to_flag_takes_several_trackers_and_refuses_unknown_ones(tmp_path, capsys):
+    from examples._common import parse_settings
+
+    settings = parse_settings("x", ExampleSettings(path=tmp_path), ["--report-to", "tensorboard", "mlflow"])
+    assert settings.report_to == ("tensorboard", "mlflow")
+    assert parse_settings("x", ExampleSettings(path=tmp_path), []).report_to == ()
+    with pytest.raises(SystemExit):
+        parse_settings("x", ExampleSettings(path=tmp_path), ["--report-to", "comet"])
+    assert "invalid choice: 'comet'" in capsys.readouterr().err
+
+
 def test_sparkline_spans_lowest_to_highest():
     assert sparkline([0.0, 0.5, 1.0]) == "▁▅█"
     assert sparkline([2.0, 2.0]) == "▁▁"

@@ -1,0 +1,48 @@
+"""Trackio: a local-first tracker (SQLite under ``TRACKIO_DIR``, default ``~/.cache/huggingface/trackio``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ._base import RunInfo, StepReport
+
+__all__ = ["TrackioTracker"]
+
+
+class TrackioTracker:
+    """Logs to a Trackio run; Trackio keys runs by name, so the run id kept for resuming is the run's name.
+
+    Args:
+        project: the Trackio project; default: the model's project.
+    """
+
+    name = "trackio"
+
+    def __init__(self, *, project: str | None = None) -> None:
+        self.project = project
+        self._run: Any = None
+
+    def start(self, run: RunInfo) -> str:
+        import trackio
+
+        # A new run gets a new name: a model trained again from scratch must not append to an old run.
+        run_name = run.run_id or f"{run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        # System metrics off: this is the training loop's process, and the tracker should cost it nothing.
+        self._run = trackio.init(project=self.project or run.project, name=run_name, config=run.config,
+                                 resume="allow", embed=False, auto_log_cpu=False, auto_log_gpu=False)
+        return run_name
+
+    def log_step(self, report: StepReport) -> None:
+        import trackio
+
+        data: dict[str, Any] = dict(report.metrics)
+        if report.trajectories:
+            rows = [row.as_dict() for row in report.trajectories]
+            data["trajectories"] = trackio.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])
+        self._run.log(data, step=report.step)
+
+    def finish(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None

@@ -1,0 +1,48 @@
+"""MLflow: a real ``mlflow server`` on 127.0.0.1; metrics, params and the trajectory table read back through
+``MlflowClient``."""
+
+from __future__ import annotations
+
+import json
+
+import pandas
+
+from mlflow import MlflowClient
+
+from art_core.tracking import TRAJECTORY_TABLES, MLflowTracker
+from tracked_steps import train_twice
+
+
+async def test_metrics_params_and_table_reach_the_mlflow_server_and_a_resumed_model_continues_the_run(
+        tiny_model_dir, tmp_path, mlflow_server):
+    await train_twice(tmp_path, tiny_model_dir, lambda: MLflowTracker(tracking_uri=mlflow_server),
+                      project="mlflow-test")
+
+    run_id = json.loads((tmp_path / "mlflow-test" / "models" / "tracked" / "tracking" / "runs.json").read_text())["mlflow"]
+    client = MlflowClient(tracking_uri=mlflow_server)
+    experiment = client.get_experiment_by_name("mlflow-test")
+    runs = client.search_runs([experiment.experiment_id])
+    assert [r.info.run_id for r in runs] == [run_id]  # the resumed model continued the run
+    run = runs[0]
+    assert run.info.run_name == "tracked" and run.info.status == "FINISHED"
+    assert run.data.params["lora.rank"] == "8"
+    assert run.data.params["train.learning_rate"] == "0.001"
+    assert run.data.params["base_model"].endswith(tiny_model_dir.name)
+
+    rewards = client.get_metric_history(run_id, "train/reward_mean")
+    assert [m.step for m in rewards] == [1, 2, 3]
+    assert all(abs(m.value - 0.4375) < 1e-6 for m in rewards)
+    for key in ("train/loss", "train/grad_norm", "train/kl", "train/trained_tokens", "time/step", "rollout/success_mean"):
+        assert [m.step for m in client.get_metric_history(run_id, key)] == [1, 2, 3], key
+
+    # One table per report, in log_table's "split" JSON layout.
+    files = [a.path for a in client.list_artifacts(run_id, TRAJECTORY_TABLES)]
+    assert len(files) == 3 and files == sorted(files)
+    rows = [row for path in files
+            for row in pandas.read_json(client.download_artifacts(run_id, path, str(tmp_path)),
+                                        orient="split").to_dict("records")]
+    assert [(r["step"], r["label"]) for r in rows] == [(s, label) for s in (1, 2, 3) for label in ("best", "worst")]
+    best = rows[0]
+    assert best["reward"] == 1.0 and best["trace_id"] == "trace-1"
+    assert best["trace_url"] == "http://langfuse.test/trace/trace-1"
+    assert best["messages"].startswith("user: Name a color.")

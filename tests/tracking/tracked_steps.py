@@ -1,0 +1,46 @@
+"""Real training steps for the tracker tests: the tiny random Qwen2 on a LocalBackend, a few fast GRPO steps.
+
+``train_twice`` trains a model with ``report_to``, ends its runs, then registers the same model again (a new
+``TrainableModel`` and backend on the same folder, as after a restart) and trains once more: every tracker test
+checks that the third step lands in the same run as the first two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from art_core import LocalBackend, TrainableModel, TrainConfig, TrajectoryGroup
+
+MESSAGES = [{"role": "user", "content": "Name a color."}]
+REWARDS = [0.0, 1.0, 0.5, 0.25]
+"""Per trajectory of every step: best is index 1, worst index 0; ``success`` is reward > 0.5."""
+
+
+async def train_steps(model: TrainableModel, steps: int) -> list[dict[str, Any]]:
+    """``steps`` GRPO steps, each on one group of four sampled replies with fixed rewards; the best trajectory
+    carries a Langfuse trace id and link, as the Langfuse layer would leave them."""
+    results = []
+    for _ in range(steps):
+        trajectories = await model.sample(MESSAGES, n=len(REWARDS), max_tokens=6, seed=model.step)
+        for t, reward in zip(trajectories, REWARDS, strict=True):
+            t.reward = reward
+            t.metrics["success"] = float(reward > 0.5)
+        trajectories[1].metadata["langfuse_trace_id"] = f"trace-{model.step + 1}"
+        trajectories[1].metadata["langfuse_trace_url"] = f"http://langfuse.test/trace/trace-{model.step + 1}"
+        results.append(await model.train([TrajectoryGroup(trajectories)], config=TrainConfig(learning_rate=1e-3)))
+    return results
+
+
+async def train_twice(path: Path, base_model: Path, report_to: Callable[[], Any], *, name: str = "tracked",
+                      project: str = "tracking") -> TrainableModel:
+    """Two steps, finish, then a new model on the same folder resumes and trains a third. Returns the second."""
+    for steps in (2, 1):
+        model = TrainableModel(name=name, project=project, base_model=base_model, report_to=report_to())
+        async with LocalBackend(path=path, serve=False, show_progress=False) as backend:
+            await model.register(backend)
+            await train_steps(model, steps)
+            await model.finish_tracking()
+    assert model.step == 3
+    return model
