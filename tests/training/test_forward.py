@@ -182,7 +182,7 @@ def test_lean_activations_give_the_same_bits(tiny_model_dir, monkeypatch):
     gives them, behind a shared prefix with a padded row; the MLPs' ``forward`` is the class's again after."""
     from contextlib import contextmanager
 
-    from art_core.training import forward
+    from art_core.training import forward, lean_forward
 
     torch.manual_seed(0)
     model, _ = load_policy(tiny_model_dir, LoraSettings(), device="cpu")
@@ -195,9 +195,9 @@ def test_lean_activations_give_the_same_bits(tiny_model_dir, monkeypatch):
     plan = plan_micro_batches([samples], token_budget=4096, share_prefix=True)
     (mb,) = plan[0].micro_batches
     assert len(set(mb.attention_mask.sum(1).tolist())) > 1  # rows of different lengths: padding in the batch
-    prefix_attention = forward._PrefixAttention.apply
+    prefix_attention = lean_forward._PrefixAttention.apply
     calls = []
-    monkeypatch.setattr(forward._PrefixAttention, "apply", lambda *a: calls.append(1) or prefix_attention(*a))
+    monkeypatch.setattr(lean_forward._PrefixAttention, "apply", lambda *a: calls.append(1) or prefix_attention(*a))
 
     def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         model.zero_grad(set_to_none=True)
@@ -215,8 +215,7 @@ def test_lean_activations_give_the_same_bits(tiny_model_dir, monkeypatch):
         with forward.native_gqa_attention(model):
             yield
 
-    monkeypatch.setattr(forward, "_lean_forward", plain)
-    monkeypatch.setattr(forward, "lean_mlp", lambda model: plain(model))
+    monkeypatch.setattr(forward, "lean_forward", plain)  # the prefix's forward and the micro-batches' alike
     plain_lp, plain_grads = run()
     assert torch.equal(lean_lp, plain_lp)
     assert lean_grads.keys() == plain_grads.keys() and lean_grads

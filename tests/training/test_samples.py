@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from art_core import CallRecord, Trajectory, TrajectoryError
 from art_core.models.templates import ORIGINAL_CHAT_TEMPLATE_FILE
-from art_core.training.samples import Sample, trajectory_samples
+from art_core.training.samples import Sample, attribute_behaviour, trajectory_samples
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city.",
@@ -122,3 +122,30 @@ def test_rerendering_without_a_tokenizer_says_how_to_fix():
 def test_mismatched_ids_and_mask_name_the_trajectory():
     with pytest.raises(TrajectoryError, match="t-9.*3 token ids but 2 mask entries"):
         Sample("t-9", [1, 2, 3], [False, True], [math.nan] * 3)
+
+
+def test_samples_carry_the_adapter_step_that_sampled_them():
+    first = CallRecord(prompt_token_ids=[1, 2, 3], completion_token_ids=[4, 5], logprobs=[-0.1, -0.2], adapter_step=3)
+    second = CallRecord(prompt_token_ids=[1, 2, 3, 4, 5, 6], completion_token_ids=[7], logprobs=[-0.3], adapter_step=2)
+    other = CallRecord(prompt_token_ids=[9, 9], completion_token_ids=[8], logprobs=[-0.4], adapter_step=5)
+    merged, alone = trajectory_samples(Trajectory(calls=[first, second, other]))
+    assert merged.sampling_step == 2  # the oldest of the calls merged into it
+    assert alone.sampling_step == 5
+    assert merged.behaviour_logprobs is None and alone.behaviour_logprobs is None  # on-policy unless attributed
+    unknown = trajectory_samples(Trajectory(calls=[CallRecord(prompt_token_ids=[1], completion_token_ids=[2])]))
+    assert unknown[0].sampling_step is None
+
+
+def test_older_samples_take_their_sampler_logprobs_as_behaviour_logprobs():
+    calls = [CallRecord(prompt_token_ids=[1, 2], completion_token_ids=[3, 4], logprobs=[-0.5, -0.25], adapter_step=s)
+             for s in (1, 2)]
+    old, current = (trajectory_samples(Trajectory(calls=[c]))[0] for c in calls)
+    assert attribute_behaviour([old, current], policy_step=2) == 1
+    assert old.behaviour_logprobs is not None and old.behaviour_logprobs[2:] == [-0.5, -0.25]
+    assert all(math.isnan(x) for x in old.behaviour_logprobs[:2])  # the prompt: not trained
+    assert current.behaviour_logprobs is None  # sampled by the step the module is at: on-policy
+
+
+def test_behaviour_logprobs_of_the_wrong_length_name_the_trajectory():
+    with pytest.raises(TrajectoryError, match="t-8.*3 token ids but 2 behaviour log-probs"):
+        Sample("t-8", [1, 2, 3], [False, True, True], [math.nan] * 3, behaviour_logprobs=[-0.1, -0.2])

@@ -88,6 +88,89 @@ def test_zero_variance_groups_are_dropped_and_reported(tiny_model_dir):
     assert metrics["trained"] == 0  # nothing to learn: no update
 
 
+@torch.no_grad()
+def _token_logprobs(model, completion: list[int]) -> list[float]:
+    ids = torch.tensor([PROMPT + completion])
+    logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+    targets = ids[0, 1:]
+    return logp[torch.arange(len(targets)), targets][len(PROMPT) - 1:].tolist()
+
+
+def _sampled_group(model, offset: float, step: int) -> TrajectoryGroup:
+    """``_group()`` as an adapter at ``step`` sampled it: the sampler's log-probs are the model's own + ``offset``."""
+    return TrajectoryGroup(
+        Trajectory(id=f"t{i}", reward=1.0 if i == 0 else 0.0, calls=[CallRecord(
+            prompt_token_ids=PROMPT, completion_token_ids=c, adapter_step=step,
+            logprobs=[lp + offset for lp in _token_logprobs(model, c)])])
+        for i, c in enumerate(COMPLETIONS))
+
+
+def test_off_policy_samples_take_the_ratio_against_their_sampler(tiny_model_dir):
+    """Data an older adapter sampled is weighed by pi / pi_sampler (here exp(0.1) per token, as the sampler's
+    log-probs are 0.1 below the module's), and truncated IS has nothing left to correct (weight 1). Without
+    ``policy_step`` the same data is on-policy: ratio exactly 1, and TIS weighs each token by exp(0.1)."""
+    model, tokenizer = load_policy(tiny_model_dir, LoraSettings(), device="cpu")
+    trainer = GRPOTrainer(model, tokenizer)
+    config = TrainConfig(learning_rate=1e-9)  # the tiniest update: the second call sees the same module
+    off = trainer.train_step([_sampled_group(model, -0.1, step=0)], config, policy_step=1)
+    assert off["samples_off_policy"] == 4
+    assert off["ratio_mean"] == pytest.approx(math.exp(0.1), abs=1e-4)
+    assert off["ratio_min"] == pytest.approx(math.exp(0.1), abs=1e-4)
+    assert off["is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    on = trainer.train_step([_sampled_group(model, -0.1, step=0)], config)
+    assert on["samples_off_policy"] == 0
+    assert on["ratio_mean"] == on["ratio_max"] == on["ratio_min"] == 1.0
+    assert on["is_weight_mean"] == pytest.approx(math.exp(0.1), abs=1e-4)
+    current = trainer.train_step([_sampled_group(model, -0.1, step=1)], config, policy_step=1)
+    assert current["samples_off_policy"] == 0 and current["ratio_mean"] == 1.0  # sampled by the current step
+
+
+def test_another_objective_runs_through_the_same_step(tiny_model_dir):
+    """The step's loop is not GRPO's: a supervised objective (NLL of the sampled tokens, every group kept, even
+    with equal rewards) plugs in as an ``Objective`` and raises the likelihood of what it trains on."""
+    from art_core.training.losses import LossInputs, LossOutput
+    from art_core.training.objectives import Objective, Weights
+
+    class NextTokenLoss:
+        name, reference = "nll", False
+
+        def weigh(self, groups):
+            return Weights(per_group=[[1.0] * len(g) for g in groups], dropped=[])
+
+        def __call__(self, inputs: LossInputs) -> LossOutput:
+            nll = -(inputs.logprobs * inputs.mask).sum() / inputs.num_tokens
+            return LossOutput(loss=nll, stats={"tokens": inputs.mask.sum()})
+
+    assert isinstance(NextTokenLoss(), Objective)
+    torch.manual_seed(0)
+    model, tokenizer = load_policy(tiny_model_dir, LoraSettings(), device="cpu")
+    trainer = GRPOTrainer(model, tokenizer)
+    flat = TrajectoryGroup(t.model_copy(update={"reward": 0.5}) for t in _group())  # GRPO would drop it
+    before = _sequence_logprob(model, COMPLETIONS[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ZeroVarianceGroupsWarning)
+        for _ in range(3):
+            metrics = trainer.train_step([flat], TrainConfig(learning_rate=1e-2), objective=NextTokenLoss())
+    assert metrics["trained"] == 1.0 and metrics["groups_dropped"] == 0 and metrics["samples"] == 4
+    assert metrics["loss"] > 0
+    assert _sequence_logprob(model, COMPLETIONS[1]) > before
+
+
+def test_readme_off_policy_example_runs(tiny_model_dir, capsys):
+    """The README's ``train_step`` example, run on the tiny model with groups an adapter at step 0 sampled."""
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("What phases 1 and 3 compute"):]
+    start = section.index("```python\n") + len("```python\n")
+    model, _ = load_policy(tiny_model_dir, LoraSettings(), device="cpu")
+    groups = [_sampled_group(model, -0.1, step=0)]
+    exec(section[start:section.index("```\n", start)],
+         {"base_dir": tiny_model_dir, "lora": LoraSettings(), "groups": groups})
+    off_policy, ratio = capsys.readouterr().out.split()
+    assert float(off_policy) == 4 and float(ratio) == pytest.approx(math.exp(0.1), abs=1e-4)
+
+
 async def test_checkpoint_round_trip_and_resume(tiny_model_dir, tmp_path):
     torch.manual_seed(0)
     model = TrainableModel(name="rt", base_model=tiny_model_dir)

@@ -47,7 +47,7 @@ def _check_peft(device: str | None) -> None:
 
 
 def _load_peft(base_dir: Path, lora: LoraSettings, device: str, adapter_dir: Path | None) -> tuple[Any, Any]:
-    from ..training.trainer import load_policy
+    from ..training.loading import load_policy
 
     return load_policy(base_dir, lora, device=device, adapter_dir=adapter_dir)
 
@@ -70,7 +70,7 @@ def _load_unsloth(base_dir: Path, lora: LoraSettings, device: str, adapter_dir: 
     import torch
     from unsloth import FastLanguageModel  # patches transformers: imported only once the user chose Unsloth
 
-    from ..training.trainer import _present_modules
+    from ..training.loading import present_lora_targets
 
     model, tokenizer = FastLanguageModel.from_pretrained(
         model_name=str(base_dir), dtype=torch.bfloat16, load_in_4bit=False,
@@ -78,7 +78,7 @@ def _load_unsloth(base_dir: Path, lora: LoraSettings, device: str, adapter_dir: 
         device_map={"": device})
     model = FastLanguageModel.get_peft_model(
         model, r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
-        target_modules=_present_modules(model, lora.target_modules),
+        target_modules=present_lora_targets(model, lora.target_modules),
         use_gradient_checkpointing="unsloth",  # Unsloth's offloaded checkpointing: long agent contexts fit
         random_state=0)
     if adapter_dir is not None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .._ownership import torch_threads
 from .._threads import TRAINING
 from ..config import TrainConfig
 from ..errors import ConfigError
@@ -253,13 +254,5 @@ class LocalBackend(ServesModels):
     # -- helpers --------------------------------------------------------------------------------------
 
     def _with_threads(self, fn: Callable[[], T]) -> T:
-        if self.num_threads is None:
+        with torch_threads(self.num_threads):  # scoped: restored after, also when two models step at once
             return fn()
-        import torch
-
-        before = torch.get_num_threads()
-        torch.set_num_threads(self.num_threads)
-        try:
-            return fn()
-        finally:
-            torch.set_num_threads(before)

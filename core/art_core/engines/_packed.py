@@ -14,9 +14,9 @@ The price is memory: a second copy of every packed weight (the size of the model
 
 Scope: only while the engine decodes (``PackedLinears.active``, entered and left by the decode thread), each
 CPU float32 ``nn.Linear`` of the model gets a ``forward`` of its own (an instance attribute, removed on exit),
-so the trainer, which shares the model in ``LocalBackend`` but never runs while the engine decodes, and anyone
-else calling the model meanwhile, see plain ``nn.Linear``. A call that needs gradients falls back to
-``F.linear``. PEFT's LoRA layers call their base layer as a module, so the base weight is packed and the
+so the trainer, which shares the model in ``LocalBackend`` but never runs while the engine decodes (checked:
+``art_core/_ownership.py``), and anyone else calling the model meanwhile, see plain ``nn.Linear``. A call that
+needs gradients falls back to ``F.linear``. PEFT's LoRA layers call their base layer as a module, so the base weight is packed and the
 adapter's small matrices are packed too (they are re-packed when a training step changes them).
 
 Staleness: a packed copy is used only while its weight has the storage and the autograd version counter it

@@ -32,6 +32,8 @@ mask, as before temperature and top-p): it is what the trainer's forward pass re
 
 When the engine shares its PEFT model with a ``GRPOTrainer`` (``LocalBackend``), a training step
 updates the served weights in place: ``mark_adapter_step`` then records the new step, with no reload.
+The module has one user at a time (``art_core/_ownership.py``): the step may start only while the engine
+is paused, and a decode attempted while the step holds the module fails with an error saying so.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from typing import Any, Literal
 
 import torch
 
+from .._ownership import module_ownership
 from .._threads import HELPERS, OwnThreads
 from ..errors import ArtError, EngineError
 from ._batch import RunningBatch
@@ -144,6 +147,8 @@ class TransformersEngine:
         prompts run through the model (each distinct prompt of an admission once, none found in the prefix cache)."""
         self.running_rows = 0
         """Rows in the batch being decoded now (a row leaves the step after it finishes or its caller goes away)."""
+        # A trainer sharing this module may take it only while this engine is paused (art_core/_ownership.py).
+        module_ownership(model).engine_serving(self, True)
 
     @classmethod
     async def from_pretrained(cls, model_dir: str | Path, *, adapter_dir: Path | None = None, adapter_step: int = 0,
@@ -271,10 +276,12 @@ class TransformersEngine:
         self._serving.clear()
         await self._wait_idle()
         self._prefix.clear()  # the weights may change while paused (a training step, an adapter swap)
+        module_ownership(self.model).engine_serving(self, False)  # a trainer sharing the module may take it now
 
     async def resume(self) -> None:
         self._ensure_worker()
         assert self._serving is not None and self._wakeup is not None
+        module_ownership(self.model).engine_serving(self, True)
         self._serving.set()
         self._wakeup.set()
 
@@ -285,6 +292,7 @@ class TransformersEngine:
 
     async def aclose(self) -> None:
         self._closed = True
+        module_ownership(self.model).engine_serving(self, False)
         if self._worker is not None:
             self._worker.cancel()
             try:
@@ -364,10 +372,27 @@ class TransformersEngine:
                 raise outcome
         return [results[id(r)] for r in requests]  # type: ignore[misc]
 
-    @torch.no_grad()
     def _decode(self, first: list[_Request], take: Callable[[int, bool], list[_Request]],
                 settle: Callable[[_Request, list[EngineOutput] | BaseException], None],
                 publish: Callable[[_Request, list[TokenDelta]], None]) -> None:
+        """``_decode_loop`` while holding the module (``art_core/_ownership.py``).
+
+        While a training step holds the module this engine decodes (a trainer sharing it), the module is not
+        touched: every request of the loop, and every queued one, is settled with the ownership's ``EngineError``.
+        """
+        with contextlib.ExitStack() as holding:
+            try:
+                holding.enter_context(module_ownership(self.model).decoding())
+            except EngineError as refused:
+                for request in [*first, *_drain(take, self.max_batch_rows)]:
+                    settle(request, refused)
+                return
+            self._decode_loop(first, take, settle, publish)
+
+    @torch.no_grad()
+    def _decode_loop(self, first: list[_Request], take: Callable[[int, bool], list[_Request]],
+                     settle: Callable[[_Request, list[EngineOutput] | BaseException], None],
+                     publish: Callable[[_Request, list[TokenDelta]], None]) -> None:
         """Decode until no row is left and ``take`` gives nothing more; ``settle`` gets each request's result.
 
         ``publish`` gets each step's new tokens of every streamed request (one call per request per step).
@@ -506,6 +531,14 @@ class TransformersEngine:
         # Decode only the tail: a stop string ends within the last few tokens.
         tail = self.tokenizer.decode(row.tokens[-16:], skip_special_tokens=True)
         return any(s in tail for s in row.params.stop)
+
+
+def _drain(take: Callable[[int, bool], list[_Request]], rows: int) -> list[_Request]:
+    """Every request ``take`` still has (it gives at least one per call while any is queued)."""
+    taken: list[_Request] = []
+    while more := take(rows, True):
+        taken += more
+    return taken
 
 
 def _choose(logprobs: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

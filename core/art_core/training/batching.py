@@ -30,6 +30,9 @@ class MicroBatch:
     advantages: torch.Tensor  # [B, T] float
     sampler_logprobs: torch.Tensor  # [B, T] float, NaN where unknown
     samples: list[Sample]
+    behaviour_logprobs: torch.Tensor | None = None
+    """[B, T] float, the behaviour policy's log-probs where a sample gave them (NaN elsewhere); None when no
+    sample of the micro-batch did (on-policy: no tensor is built)."""
 
     @property
     def padded_tokens(self) -> int:
@@ -116,4 +119,10 @@ def _collate(samples: list[Sample], prefix_len: int, pad_token_id: int) -> Micro
         trained[i, :n] = torch.tensor(s.trained[prefix_len:], dtype=torch.float32)
         advantages[i, :n] = s.advantage
         sampler[i, :n] = torch.tensor(s.sampler_logprobs[prefix_len:])
-    return MicroBatch(input_ids, attention, trained, advantages, sampler, samples)
+    behaviour = None
+    if any(s.behaviour_logprobs is not None for s in samples):  # off-policy data in this micro-batch
+        behaviour = torch.full((b, width), math.nan)
+        for i, s in enumerate(samples):
+            if s.behaviour_logprobs is not None:
+                behaviour[i, : len(s.token_ids) - prefix_len] = torch.tensor(s.behaviour_logprobs[prefix_len:])
+    return MicroBatch(input_ids, attention, trained, advantages, sampler, samples, behaviour)

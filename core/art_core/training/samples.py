@@ -24,7 +24,7 @@ from ..errors import TrajectoryError
 from ..messages import template_messages
 from ..types import CallRecord, History, Trajectory
 
-__all__ = ["Sample", "trajectory_samples"]
+__all__ = ["Sample", "attribute_behaviour", "trajectory_samples"]
 
 NAN = float("nan")
 
@@ -46,6 +46,16 @@ class Sample:
     advantage: float = 0.0
     group_index: int = -1
     extras: dict[str, Any] = field(default_factory=dict)
+    sampling_step: int | None = None
+    """The adapter step that sampled this sample's tokens (the oldest, when merged calls differ); None: unknown."""
+    behaviour_logprobs: list[float] | None = None
+    """Log-prob of each trained token under the policy that sampled it (the behaviour policy), NaN elsewhere.
+
+    Given, the loss's importance ratio is ``pi / pi_behaviour`` exactly: data sampled by an older adapter (an
+    asynchronous pipeline) is corrected for the policy's lag. None (the default): the sample is on-policy, and the
+    trainer's own detached log-probs stand in (ratio 1 in value, the gradient of log pi). A NaN at a trained token
+    falls back the same way for that token.
+    """
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -53,6 +63,11 @@ class Sample:
             raise TrajectoryError(
                 f"trajectory {self.trajectory_id!r}: {n} token ids but {len(self.trained)} mask entries and "
                 f"{len(self.sampler_logprobs)} logprobs; the three must have one entry per token"
+            )
+        if self.behaviour_logprobs is not None and len(self.behaviour_logprobs) != n:
+            raise TrajectoryError(
+                f"trajectory {self.trajectory_id!r}: {n} token ids but {len(self.behaviour_logprobs)} behaviour "
+                "log-probs; give one per token (NaN where not trained), or None for on-policy data"
             )
         if n and self.trained[0]:
             raise TrajectoryError(
@@ -100,11 +115,31 @@ def trajectory_samples(trajectory: Trajectory, tokenizer: Any | None = None) -> 
     return samples
 
 
+def attribute_behaviour(samples: list[Sample], policy_step: int) -> int:
+    """Give the samples drawn by an adapter older than ``policy_step`` their sampler's log-probs as behaviour log-probs.
+
+    Such samples are off-policy: the module has moved on since they were sampled, so the loss's ratio must be taken
+    against the policy that sampled them, whose log-probs the engine reported with each token. A sample of an unknown
+    step, of the current one, or with behaviour log-probs already is left as it is.
+
+    Returns:
+        How many samples were attributed.
+    """
+    attributed = 0
+    for sample in samples:
+        step = sample.sampling_step
+        if sample.behaviour_logprobs is None and step is not None and step < policy_step:
+            sample.behaviour_logprobs = list(sample.sampler_logprobs)  # NaN where the engine gave none
+            attributed += 1
+    return attributed
+
+
 def _samples_from_calls(trajectory_id: str, calls: list[CallRecord]) -> list[Sample]:
     samples: list[Sample] = []
     ids: list[int] = []
     trained: list[bool] = []
     logprobs: list[float] = []
+    steps: list[int] = []  # adapter steps of the calls merged into the current sample
     for call in calls:
         prompt = call.prompt_token_ids
         if ids and len(prompt) >= len(ids) and prompt[: len(ids)] == ids:
@@ -112,20 +147,27 @@ def _samples_from_calls(trajectory_id: str, calls: list[CallRecord]) -> list[Sam
             new_context = prompt[len(ids) :]
         else:
             if ids:
-                samples.append(Sample(trajectory_id, ids, trained, logprobs))
+                samples.append(Sample(trajectory_id, ids, trained, logprobs, sampling_step=_oldest(steps)))
             if not prompt:
                 raise TrajectoryError(
                     f"trajectory {trajectory_id!r}: a call has an empty prompt_token_ids; the gateway's "
                     "record of the call is incomplete"
                 )
-            ids, trained, logprobs = [], [], []
+            ids, trained, logprobs, steps = [], [], [], []
             new_context = prompt
         ids = ids + list(new_context) + list(call.completion_token_ids)
         trained += [False] * len(new_context) + [True] * len(call.completion_token_ids)
         sampled = call.logprobs if call.logprobs is not None else [NAN] * len(call.completion_token_ids)
         logprobs += [NAN] * len(new_context) + [float(x) for x in sampled]
-    samples.append(Sample(trajectory_id, ids, trained, logprobs))
+        if call.adapter_step is not None:
+            steps.append(call.adapter_step)
+    samples.append(Sample(trajectory_id, ids, trained, logprobs, sampling_step=_oldest(steps)))
     return samples
+
+
+def _oldest(steps: list[int]) -> int | None:
+    # A merged sample's staleness is that of its oldest call: its tokens lag the trainer the most.
+    return min(steps) if steps else None
 
 
 def _samples_by_rerendering(trajectory_id: str, history: History, tokenizer: Any | None) -> list[Sample]:

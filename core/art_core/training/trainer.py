@@ -1,8 +1,16 @@
-"""One GRPO step on a LoRA adapter: records -> samples -> advantages -> loss -> optimizer step.
+"""One training step on a LoRA adapter, in five phases: advantages -> samples -> accumulate -> apply -> metrics.
 
-``GRPOTrainer`` owns the PEFT model and its optimizer. ``train_step`` reads top to bottom as the five
-phases of a step; the orchestration around it (writing trajectories before the step, checkpoints and
-history after it) lives in ``backends/local.py``.
+``GRPOTrainer`` owns the PEFT model and its optimizer. ``train_step`` reads top to bottom as the phases of a
+step; what is learned is its pluggable part, an ``Objective`` (``objectives.py``: how each trajectory is weighed
+and the loss of a micro-batch), GRPO's by default. The advantages come before the samples because an objective
+weighs trajectories from their rewards alone: a group it drops is never turned into token samples.
+
+Each sample may carry the log-probs of the policy that sampled it (``Sample.behaviour_logprobs``): the loss's
+importance ratio then corrects for the policy's lag exactly (off-policy data); without them the trainer's own
+detached log-probs stand in (on-policy, ratio 1 in value).
+
+The orchestration around a step (writing trajectories before it, checkpoints and history after it) lives in
+the backends. When an in-process engine decodes this very module, the step holds it (``_ownership.py``).
 """
 
 from __future__ import annotations
@@ -11,20 +19,24 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..config import LoraSettings, TrainConfig
-from ..errors import CheckpointError, ConfigError, TrainingError, TrajectoryError
+from .._ownership import module_ownership
+from ..config import TrainConfig
+from ..errors import TrainingError, TrajectoryError
 from ..types import TrajectoryGroup
-from .advantages import compute_group_advantages
-from .batching import plan_micro_batches
+from .batching import MicroBatch, PrefixGroup, plan_micro_batches
 from .distributed import StepSync
 from .forward import SharedPrefix, micro_batch_logprobs
-from .losses import LossInputs, build_loss
-from .samples import Sample, trajectory_samples
+from .loading import load_policy  # re-exported: its home before training/loading.py
+from .losses import LossInputs
+from .objectives import GRPOObjective, Objective, Weights
+from .samples import Sample, attribute_behaviour, trajectory_samples
+from .step_stats import StepStats, step_metrics
 
 __all__ = ["GRPOTrainer", "ZeroVarianceGroupsWarning", "check_config", "load_policy"]
 
@@ -42,101 +54,27 @@ def check_config(config: TrainConfig) -> None:
     Raises:
         ConfigError: the loss refuses an option or a value (the message names it and lists the accepted ones).
     """
-    build_loss(config.loss, beta=config.beta, tis_cap=config.tis_cap, **config.loss_options)
+    GRPOObjective.from_config(config)
 
 
-class _StepStats:
-    """A step's running sums, kept as tensors on the device; read once, at the end of the step.
+@dataclass
+class _Work:
+    """The step's samples, planned into micro-batches, with the step-wide counts the losses divide by."""
 
-    Reading a tensor's value (``.item()``) waits for the device to finish its queued work; doing it a dozen
-    times per micro-batch stalls every step. Here each micro-batch only adds tensors, and ``read()`` is the
-    step's one sync point.
-    """
+    samples: list[Sample]
+    plan: list[PrefixGroup]
+    num_sequences: int
+    """Sequences in the whole step (summed over the ranks with a ``StepSync``)."""
+    num_tokens: int
+    """Trained tokens in the whole step (likewise)."""
 
-    def __init__(self, device: torch.device) -> None:
-        zero = torch.zeros((), device=device)
-        self.losses: list[torch.Tensor] = []  # one 0-dim loss per micro-batch, to name the first non-finite one
-        self.sums: dict[str, torch.Tensor] = {}
-        self.entropy = zero.clone()
-        self.sampler_diff = zero.clone()
-        self.sampler_tokens = zero.clone()
-        self.sampler_max = zero.clone()
-        self.ratio_max = torch.full((), -math.inf, device=device)
-        self.ratio_min = torch.full((), math.inf, device=device)
-
-    def add(self, loss: torch.Tensor, stats: dict[str, torch.Tensor], entropy: torch.Tensor | None,
-            mask: torch.Tensor, logprobs: torch.Tensor, sampler_logprobs: torch.Tensor) -> None:
-        """One micro-batch's loss, its loss stats, and its per-token tensors (``[B, T]``)."""
-        self.losses.append(loss.detach())
-        for key, value in stats.items():
-            if key == "ratio_max":
-                self.ratio_max = torch.maximum(self.ratio_max, value)
-            elif key == "ratio_min":
-                self.ratio_min = torch.minimum(self.ratio_min, value)
-            else:
-                self.sums[key] = self.sums.get(key, 0.0) + value
-        if entropy is not None:
-            self.entropy += (entropy.detach() * mask).sum()
-        known = (mask > 0) & ~torch.isnan(sampler_logprobs)  # [B, T] tokens the sampler reported a logprob for
-        gap = torch.where(known, (logprobs.detach() - sampler_logprobs).abs(), torch.zeros_like(logprobs))
-        self.sampler_diff += gap.sum()
-        self.sampler_max = torch.maximum(self.sampler_max, gap.max())
-        self.sampler_tokens += known.sum()
-
-    def read(self, grad_norm: torch.Tensor) -> dict[str, Any]:
-        """The sums and ``grad_norm`` as Python numbers: the step's one device sync.
-
-        Returns:
-            ``losses`` (one per micro-batch), ``grad_norm``, ``entropy``, ``sampler_diff``, ``sampler_tokens``,
-            ``sampler_max``, ``ratio_max``, ``ratio_min`` and the loss's summed stats by name.
-        """
-        keys = sorted(self.sums)
-        scalars = [grad_norm, self.entropy, self.sampler_diff, self.sampler_tokens, self.sampler_max, self.ratio_max,
-                   self.ratio_min, *(self.sums[k] for k in keys)]
-        device = self.entropy.device
-        values = torch.stack([*self.losses, *(t.float().to(device) for t in scalars)]).tolist()  # the sync
-        losses, rest = values[: len(self.losses)], values[len(self.losses) :]
-        grad, entropy, diff, known, sampler_max, ratio_max, ratio_min, *sums = rest
-        return {"losses": losses, "grad_norm": grad, "entropy": entropy, "sampler_diff": diff,
-                "sampler_tokens": known, "sampler_max": sampler_max, "ratio_max": ratio_max, "ratio_min": ratio_min,
-                **dict(zip(keys, sums, strict=True))}
-
-
-def load_policy(base_dir: Path, lora: LoraSettings, *, device: str, adapter_dir: Path | None = None) -> tuple[Any, Any]:
-    """Load the base model with a trainable LoRA adapter (fresh, or from ``adapter_dir``).
-
-    Returns:
-        (peft_model, tokenizer)
-    """
-    from peft import LoraConfig, PeftModel, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32  # CPUs are slow at bf16 matmuls
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype).to(device)
-    if adapter_dir is None:
-        config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                            target_modules=_present_modules(base, lora.target_modules), task_type="CAUSAL_LM")
-        model = get_peft_model(base, config)
-    else:
-        try:
-            model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
-        except Exception as exc:
-            raise CheckpointError(f"cannot load the adapter in {adapter_dir} onto {base_dir}: {exc}") from exc
-    return model, tokenizer
-
-
-def _present_modules(model: torch.nn.Module, wanted: list[str]) -> list[str]:
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    present = [m for m in wanted if m in names]
-    if not present:
-        raise ConfigError(f"none of the LoRA target modules {wanted} exist in this model; "
-                          f"its linear layers include {sorted(n for n in names if n.endswith('proj'))}")
-    return present
+    @property
+    def micro_batches(self) -> int:
+        return sum(len(pg.micro_batches) for pg in self.plan)
 
 
 class GRPOTrainer:
-    """Trains one LoRA adapter with GRPO.
+    """Trains one LoRA adapter with GRPO (or another ``Objective`` through the same step).
 
     Args:
         model: a PEFT model whose adapter parameters are trainable.
@@ -159,8 +97,9 @@ class GRPOTrainer:
     # -- the step -------------------------------------------------------------------------------------
 
     def train_step(self, groups: Sequence[TrajectoryGroup], config: TrainConfig, *,
-                   progress: Progress | None = None, sync: StepSync | None = None) -> StepMetrics:
-        """Run one GRPO optimizer step on ``groups``.
+                   progress: Progress | None = None, sync: StepSync | None = None,
+                   objective: Objective | None = None, policy_step: int | None = None) -> StepMetrics:
+        """Run one optimizer step on ``groups``.
 
         Args:
             groups: the step's groups (with ``sync``: this rank's share of them).
@@ -168,117 +107,149 @@ class GRPOTrainer:
             progress: called with (micro-batches done, total) after each one.
             sync: when several ranks share the step (``training/distributed.py``): sums the sequence and
                 token counts and the gradients over the ranks. Default: None (this process alone).
+            objective: what the step optimises. Default: ``GRPOObjective.from_config(config)``.
+            policy_step: the adapter step the module is at. Samples an older adapter sampled (their records'
+                ``adapter_step``) are then off-policy, and their sampler's log-probs are their behaviour log-probs
+                (``samples.attribute_behaviour``). Default: None, every sample counts as on-policy.
 
         Returns:
             The step's metrics. ``trained`` is 0.0 when every group was dropped (no update was made).
 
         Raises:
             TrajectoryError: a group or trajectory cannot be trained on; nothing was changed.
-            TrainingError: the loss or gradient was not finite; the step was not applied.
+            TrainingError: the loss or gradient was not finite; the step was not applied. Or an in-process
+                engine decodes this module and is not paused (``_ownership.py``); nothing was changed.
         """
         t_start = time.perf_counter()
-        loss_fn = build_loss(config.loss, beta=config.beta, tis_cap=config.tis_cap, **config.loss_options)
-        scale = config.advantage_scale or loss_fn.default_advantage_scale
+        objective = objective or GRPOObjective.from_config(config)
+        with module_ownership(self.model).training():  # an engine sharing the module is paused until we are done
+            # 1. advantages: the objective weighs each trajectory from the rewards (GRPO drops groups that teach nothing)
+            weights = _weigh(groups, objective)
+            # 2. samples: token-exact from the records, each with its weight, behaviour log-probs and sampling step
+            sample_groups = self._samples(groups, weights, config, policy_step)
+            metrics = _group_metrics(groups, weights, sample_groups, config)
+            work = self._plan(sample_groups, config, sync)
+            if not work.num_sequences:
+                metrics.update(trained=0.0, seconds_total=time.perf_counter() - t_start)
+                return metrics
+            t_prepared = time.perf_counter()
+            # 3. accumulate: forward + backward per micro-batch; the micro-batch losses of a step add up to its loss
+            stats, forward_tokens = self._accumulate(work, objective, progress, sync)
+            t_backward = time.perf_counter()
+            # 4. apply: clip, check the step's numbers at its one device sync, then the optimizer step
+            totals = self._apply(stats, config, objective)
+            t_end = time.perf_counter()
+        # 5. metrics
+        metrics.update(step_metrics(totals, work.samples, num_sequences=work.num_sequences,
+                                    num_tokens=work.num_tokens, forward_tokens=forward_tokens,
+                                    micro_batches=work.micro_batches),
+                       seconds_prepare=t_prepared - t_start, seconds_forward_backward=t_backward - t_prepared,
+                       seconds_optimizer=t_end - t_backward, seconds_total=t_end - t_start)
+        return metrics
 
-        # 1. advantages: group-relative; groups whose rewards are all equal teach nothing and are dropped
-        for i, group in enumerate(groups):
-            if len(group) == 0:
-                raise TrajectoryError(f"group {i} is empty: every rollout of it failed or none was run "
-                                      f"({len(group.exceptions)} exception(s) recorded); drop it before training")
-        advantages = compute_group_advantages([g.rewards for g in groups], scale=scale)
-        if advantages.dropped_groups:
-            warnings.warn(ZeroVarianceGroupsWarning(
-                f"{len(advantages.dropped_groups)} of {len(groups)} group(s) had equal rewards for every "
-                f"trajectory and were dropped (indices {advantages.dropped_groups[:10]}); shape the reward so "
-                "that rollouts of one task differ"), stacklevel=2)
-
-        # 2. samples: token-exact from the gateway's records (re-rendered only as a flagged fallback)
+    def _samples(self, groups: Sequence[TrajectoryGroup], weights: Weights, config: TrainConfig,
+                 policy_step: int | None) -> list[list[Sample]]:
+        """The samples of every kept group (one list per kept group), each carrying its trajectory's weight, and
+        its behaviour log-probs when it is older than ``policy_step``."""
         sample_groups: list[list[Sample]] = []
-        for gi, (group, group_adv) in enumerate(zip(groups, advantages.advantages)):
-            if group_adv is None:
+        for gi, (group, group_weights) in enumerate(zip(groups, weights.per_group)):
+            if group_weights is None:
                 continue
             samples = []
-            for trajectory, adv in zip(group.trajectories, group_adv):
+            for trajectory, weight in zip(group.trajectories, group_weights):
                 for sample in trajectory_samples(trajectory, self.tokenizer):
                     if len(sample.token_ids) > config.max_sequence_length:
                         raise TrajectoryError(
                             f"trajectory {trajectory.id!r} (group {gi}) has a sample of {len(sample.token_ids)} "
                             f"tokens, over max_sequence_length={config.max_sequence_length}; raise the limit "
                             "or shorten the rollout")
-                    sample.advantage, sample.group_index = adv, gi
+                    sample.advantage, sample.group_index = weight, gi
                     samples.append(sample)
+            if policy_step is not None:
+                attribute_behaviour(samples, policy_step)
             sample_groups.append(samples)
+        return sample_groups
 
-        metrics: StepMetrics = {
-            "reward_mean": _mean([r for g in groups for r in g.rewards]),
-            "reward_std": _std([r for g in groups for r in g.rewards]),
-            "groups": float(len(groups)),
-            "groups_used": float(len(sample_groups)),
-            "groups_dropped": float(len(advantages.dropped_groups)),
-            "trajectories": float(sum(len(g) for g in groups)),
-            "rollout_exceptions": float(sum(len(g.exceptions) for g in groups)),
-            "learning_rate": config.learning_rate,
-        }
-        all_samples = [s for g in sample_groups for s in g]
-        num_sequences = len(all_samples)
-        num_tokens = sum(s.num_trained for s in all_samples)
+    def _plan(self, sample_groups: list[list[Sample]], config: TrainConfig, sync: StepSync | None) -> _Work:
+        """Count the step's sequences and tokens (over every rank) and plan its micro-batches."""
+        samples = [s for g in sample_groups for s in g]
+        num_sequences, num_tokens = len(samples), sum(s.num_trained for s in samples)
         if sync is not None:  # the losses divide by the whole step's counts, not this rank's
             num_sequences, num_tokens = (int(v) for v in sync.sum([num_sequences, num_tokens]))
         if not num_sequences:
-            metrics.update(trained=0.0, seconds_total=time.perf_counter() - t_start)
-            return metrics
+            return _Work(samples, [], 0, 0)
         plan = plan_micro_batches(sample_groups, token_budget=config.micro_batch_tokens,
                                   share_prefix=config.share_prefix and self.share_prefix, pad_token_id=self._pad_id())
-        total_batches = sum(len(pg.micro_batches) for pg in plan)
+        work = _Work(samples, plan, num_sequences, num_tokens)
         if sync is not None and hasattr(sync, "planned"):  # FSDP ranks agree on a pass count (distributed.py)
-            sync.planned(total_batches)
-        t_prepared = time.perf_counter()
+            sync.planned(work.micro_batches)
+        return work
 
-        # 3. loss: forward + backward per micro-batch; the micro-batch losses of a step add up to its loss
+    def _accumulate(self, work: _Work, objective: Objective, progress: Progress | None,
+                    sync: StepSync | None) -> tuple[StepStats, int]:
+        """Forward and backward over every micro-batch, gradients summed in place. Returns the running sums and
+        the tokens run through the model. On failure no half-accumulated gradient is left behind."""
         self.model.train()
-        stats = _StepStats(next(iter(self.params)).device)
+        stats = StepStats(next(iter(self.params)).device)
         done = forward_tokens = 0
         try:
-            for pg in plan:
+            for pg in work.plan:
                 prefix = SharedPrefix(self.model, pg.prefix_ids, grad=True) if pg.prefix_ids else None
                 ref_prefix = None
-                if config.beta > 0 and pg.prefix_ids:
+                if objective.reference and pg.prefix_ids:
                     with torch.no_grad(), self.model.disable_adapter():
                         ref_prefix = SharedPrefix(self.model, pg.prefix_ids, grad=False)
                 forward_tokens += len(pg.prefix_ids)
                 for mb in pg.micro_batches:
-                    out = micro_batch_logprobs(self.model, mb, prefix, with_entropy=True)
-                    ref = None
-                    if config.beta > 0:
-                        with torch.no_grad(), self.model.disable_adapter():
-                            ref = micro_batch_logprobs(self.model, mb, ref_prefix).logprobs
-                    device = out.logprobs.device
-                    mask = mb.trained.to(device)  # [B, T]
-                    sampler = mb.sampler_logprobs.to(device)  # [B, T], NaN where the sampler gave none
-                    result = loss_fn(LossInputs(
-                        logprobs=out.logprobs, old_logprobs=out.logprobs.detach(),  # on-policy: one step per batch
-                        advantages=mb.advantages.to(device), mask=mask,
-                        num_sequences=num_sequences, num_tokens=num_tokens,
-                        sampler_logprobs=sampler, ref_logprobs=ref))
-                    result.loss.backward()  # a non-finite loss is caught at the step's sync, before the update
-                    stats.add(result.loss, result.stats, out.entropy, mask, out.logprobs, sampler)
+                    self._micro_batch(mb, prefix, ref_prefix, objective, work, stats)
                     forward_tokens += int(mb.attention_mask.sum())  # a host tensor: no device sync
                     done += 1
                     if progress:
-                        progress(done, total_batches)
+                        progress(done, work.micro_batches)
                 if prefix is not None:
                     prefix.backward()
             if sync is not None:  # every rank now holds the whole step's gradient
                 sync.gradients(self.params)
-            t_backward = time.perf_counter()
+        except BaseException:
+            self.model.zero_grad(set_to_none=True)
+            raise
+        return stats, forward_tokens
 
-            # 4. optimizer step, with clipping, once the step's numbers are known to be finite
+    def _micro_batch(self, mb: MicroBatch, prefix: SharedPrefix | None, ref_prefix: SharedPrefix | None,
+                     objective: Objective, work: _Work, stats: StepStats) -> None:
+        """One micro-batch's forward, loss and backward; its numbers are added to ``stats``."""
+        out = micro_batch_logprobs(self.model, mb, prefix, with_entropy=True)
+        ref = None
+        if objective.reference:
+            with torch.no_grad(), self.model.disable_adapter():
+                ref = micro_batch_logprobs(self.model, mb, ref_prefix).logprobs
+        device = out.logprobs.device
+        mask = mb.trained.to(device)  # [B, T]
+        sampler = mb.sampler_logprobs.to(device)  # [B, T], NaN where the sampler gave none
+        result = objective(LossInputs(
+            logprobs=out.logprobs, old_logprobs=_behaviour_logprobs(mb, out.logprobs),
+            advantages=mb.advantages.to(device), mask=mask,
+            num_sequences=work.num_sequences, num_tokens=work.num_tokens,
+            sampler_logprobs=sampler, ref_logprobs=ref))
+        result.loss.backward()  # a non-finite loss is caught at the step's sync, before the update
+        stats.add(result.loss, result.stats, out.entropy, mask, out.logprobs, sampler)
+
+    def _apply(self, stats: StepStats, config: TrainConfig, objective: Objective) -> dict[str, Any]:
+        """Clip the gradient and take the optimizer step, once the step's numbers are known to be finite.
+
+        Returns:
+            ``StepStats.read``'s totals.
+
+        Raises:
+            TrainingError: the loss or the gradient norm is not finite; the step was not applied.
+        """
+        try:
             optimizer = self._optimizer(config)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, config.max_grad_norm or math.inf)
             totals = stats.read(grad_norm)  # --- the step's one device sync: every running sum read at once ---
             bad = next((i for i, value in enumerate(totals["losses"]) if not math.isfinite(value)), None)
             if bad is not None:
-                raise TrainingError(f"the {config.loss} loss is {totals['losses'][bad]} on micro-batch {bad + 1} "
+                raise TrainingError(f"the {objective.name} loss is {totals['losses'][bad]} on micro-batch {bad + 1} "
                                     "of this step; the step was not applied (check rewards and learning rate)")
             if not math.isfinite(totals["grad_norm"]):
                 raise TrainingError(f"gradient norm is {totals['grad_norm']}; the step was not applied "
@@ -288,35 +259,7 @@ class GRPOTrainer:
             raise
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        t_end = time.perf_counter()
-
-        # 5. metrics
-        metrics.update(
-            trained=1.0,
-            loss=math.fsum(totals["losses"]),
-            samples=float(num_sequences),
-            samples_rerendered=float(sum(s.rerendered for s in all_samples)),
-            trained_tokens=float(num_tokens),
-            forward_tokens=float(forward_tokens),
-            micro_batches=float(total_batches),
-            entropy=totals["entropy"] / max(num_tokens, 1),
-            ratio_mean=totals.get("ratio_sum", 0.0) / max(num_tokens, 1),
-            ratio_max=totals["ratio_max"] if totals["ratio_max"] > -math.inf else 1.0,
-            ratio_min=totals["ratio_min"] if totals["ratio_min"] < math.inf else 1.0,
-            clip_fraction=totals.get("clipped_tokens", 0.0) / max(num_tokens, 1),
-            kl=totals.get("kl_sum", 0.0) / max(num_tokens, 1),
-            is_weight_mean=totals.get("is_weight_sum", 0.0) / max(num_tokens, 1),
-            is_truncated_fraction=totals.get("is_truncated_tokens", 0.0) / max(num_tokens, 1),
-            sampler_logprob_abs_diff=totals["sampler_diff"] / totals["sampler_tokens"] if totals["sampler_tokens"]
-            else math.nan,
-            sampler_logprob_max_abs_diff=totals["sampler_max"] if totals["sampler_tokens"] else math.nan,
-            grad_norm=totals["grad_norm"],
-            seconds_prepare=t_prepared - t_start,
-            seconds_forward_backward=t_backward - t_prepared,
-            seconds_optimizer=t_end - t_backward,
-            seconds_total=t_end - t_start,
-        )
-        return metrics
+        return totals
 
     # -- state ----------------------------------------------------------------------------------------
 
@@ -348,6 +291,51 @@ class GRPOTrainer:
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
         return int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
+
+
+
+def _weigh(groups: Sequence[TrajectoryGroup], objective: Objective) -> Weights:
+    """The objective's weights for ``groups``, after checking none is empty; warns about dropped groups."""
+    for i, group in enumerate(groups):
+        if len(group) == 0:
+            raise TrajectoryError(f"group {i} is empty: every rollout of it failed or none was run "
+                                  f"({len(group.exceptions)} exception(s) recorded); drop it before training")
+    weights = objective.weigh(groups)
+    if weights.dropped:
+        warnings.warn(ZeroVarianceGroupsWarning(
+            f"{len(weights.dropped)} of {len(groups)} group(s) had equal rewards for every "
+            f"trajectory and were dropped (indices {weights.dropped[:10]}); shape the reward so "
+            "that rollouts of one task differ"), stacklevel=3)  # the caller of train_step
+    return weights
+
+
+def _group_metrics(groups: Sequence[TrajectoryGroup], weights: Weights, sample_groups: list[list[Sample]],
+                   config: TrainConfig) -> StepMetrics:
+    """The metrics known before any forward pass: rewards, groups kept and dropped, the learning rate."""
+    rewards = [r for g in groups for r in g.rewards]
+    return {
+        "reward_mean": _mean(rewards),
+        "reward_std": _std(rewards),
+        "groups": float(len(groups)),
+        "groups_used": float(len(sample_groups)),
+        "groups_dropped": float(len(weights.dropped)),
+        "trajectories": float(sum(len(g) for g in groups)),
+        "rollout_exceptions": float(sum(len(g.exceptions) for g in groups)),
+        "learning_rate": config.learning_rate,
+    }
+
+
+def _behaviour_logprobs(mb: MicroBatch, logprobs: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` log-probs of the policy the samples are attributed to (the loss's ``old_logprobs``).
+
+    On-policy (no sample gave any): the current ones, detached, so the ratio is 1 in value and its gradient is
+    that of log pi. Otherwise each sample's own, with the current ones where it gave none (NaN).
+    """
+    current = logprobs.detach()
+    if mb.behaviour_logprobs is None:
+        return current
+    given = mb.behaviour_logprobs.to(current.device)  # [B, T], NaN where not given
+    return torch.where(torch.isnan(given), current, given.to(current.dtype))
 
 
 def _mean(xs: list[float]) -> float:

@@ -89,7 +89,7 @@ class EngineReplica:
         from ...config import LoraSettings
         from ...engines.transformers import TransformersEngine
         from ...models import resolve_base_model
-        from ...training.trainer import load_policy
+        from ...training.loading import load_policy
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         policy, tokenizer = load_policy(resolve_base_model(self._base_dir), LoraSettings.model_validate(self._lora),

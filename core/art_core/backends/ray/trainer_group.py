@@ -61,7 +61,8 @@ class TrainerRank:
         """Load the policy: whole on this rank's device, or on the CPU and then sharded with FSDP2."""
         from ...models import resolve_base_model
         from ...training.distributed import shard_policy
-        from ...training.trainer import GRPOTrainer, load_policy
+        from ...training.loading import load_policy
+        from ...training.trainer import GRPOTrainer
 
         resume = _write(self._scratch / "resume", self._checkpoint) if self._checkpoint else None
         policy, tokenizer = load_policy(resolve_base_model(self._base_dir), LoraSettings.model_validate(self._lora),
