@@ -229,11 +229,15 @@ def test_two_fsdp2_ranks_train_the_adapter_of_one_process(tiny_model_dir: Path, 
     assert rank0["layers"] >= 2 and 0.4 < rank0["local_fraction"] < 0.6, "each rank holds about half the base"
     grad_diff = max(float((a - b).abs().max()) for a, b in zip(rank0["grads"], reference.recorded, strict=True))
     scale = max(float(g.abs().max()) for g in reference.recorded)
-    param_diff = max(float((a - b.detach()).abs().max()) for a, b in zip(rank0["params"], trainer.params, strict=True))
+    # AdamW's first step moves a weight by lr * g / (|g| + eps). Where the gradient is within float noise of zero
+    # (|g| ~ 1e-7 against a largest gradient of ~4e-2), a 2e-8 difference between two exact computations moves that
+    # step by up to ~2.5e-5, past the bound below (2 of 12 runs on main at e5bda81). So the adapters are compared
+    # where the gradient is signal (at least 1e-3 of the largest); there the bound holds by orders of magnitude.
+    signal = [g.abs() >= 1e-3 * scale for g in reference.recorded]
+    param_diff = max(float(((a - b.detach()).abs() * keep).max())
+                     for a, b, keep in zip(rank0["params"], trainer.params, signal, strict=True))
     print(f"FSDP2 (beta={beta}): LoRA gradient max abs diff, 2 ranks vs 1 process: {grad_diff:.3e} (largest "
           f"gradient {scale:.3e}); updated adapter max abs diff {param_diff:.3e}")
     assert scale > 0 and grad_diff <= 1e-4 * scale
-    # AdamW's first step moves each weight by about lr * g / |g|: on a gradient near zero, float noise in g
-    # becomes a visible fraction of lr, so the adapters are compared against lr, the gradients against themselves.
     assert param_diff <= 1e-2 * 1e-3
     assert all(torch.equal(a, b) for a, b in zip(rank0["params"], rank1["params"], strict=True))
