@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
+from pathlib import Path
 from typing import Any
 
 from langchain_core.tools import tool
@@ -28,7 +29,22 @@ QUESTION = "What is (3 + 4) * 2?"
 async def add(a: int, b: int) -> int:
     """Add two integers."""
     await asyncio.sleep(_DELAY.get("add", 0.0))
+    if _GATE:
+        await _wait_at_gate(Path(_GATE["folder"]))
     return a + b
+
+
+async def _wait_at_gate(folder: Path) -> None:
+    """Say on which node this call runs (a file named after the node), then wait until the test opens the gate.
+
+    Lets a test hold rollouts mid-call on a node it is about to remove, whatever the machine's speed.
+    """
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    (folder / f"started-{node}-{uuid.uuid4().hex[:8]}").touch()
+    while not (folder / "open").exists():
+        await asyncio.sleep(0.05)
 
 
 @tool
@@ -38,6 +54,7 @@ def multiply(a: int, b: int) -> int:
 
 
 _DELAY: dict[str, float] = {}
+_GATE: dict[str, str] = {}
 
 TOOLS = [convert_to_openai_tool(add), convert_to_openai_tool(multiply)]
 
@@ -52,8 +69,13 @@ def script() -> list[Any]:
 
 
 async def solve(model: Any, task: dict[str, Any]) -> Any:
-    """One ReAct rollout of ``task`` (``{"delay": seconds the add tool takes}``), scored at random."""
+    """One ReAct rollout of ``task``, scored at random. ``{"delay": s}``: the add tool takes ``s`` seconds;
+    ``{"gate": folder}``: it waits until ``folder/open`` exists (see ``_wait_at_gate``)."""
     _DELAY["add"] = float(task.get("delay", 0.0))
+    if "gate" in task:
+        _GATE["folder"] = str(task["gate"])
+    else:
+        _GATE.clear()
     llm = ChatOpenAI(model="agent", base_url=f"http://127.0.0.1:9/{uuid.uuid4().hex[:8]}/v1", api_key="unused",
                      temperature=0.0, max_tokens=64)
     agent = trainable(create_react_agent(llm, [add, multiply], prompt=SYSTEM), model)

@@ -132,10 +132,20 @@ async def test_ray_backend_scenario(cluster: Any, scripted_dir: Path, tmp_path: 
         assert float((old - want).abs().max()) > 1e-4, "the step changed the served log-probs"
 
         # --- a node is lost mid-rollout: its rollouts fail, are counted and run again; training goes on ---
+        # The rollouts wait mid-call at a gate the test opens once the node is gone, so some are surely running
+        # on it when it goes (no guess at how long they take to get there).
+        gate = tmp_path / "gate"
+        gate.mkdir()
         gathering = asyncio.create_task(
-            backend.gather(model.spec, ROLLOUT, [{"delay": 1.5}] * 4, n=4))
-        await asyncio.sleep(1.0)
+            backend.gather(model.spec, ROLLOUT, [{"gate": str(gate)}] * 4, n=4))
+        lost_node = cluster.worker.node_id
+        deadline = asyncio.get_running_loop().time() + 120
+        while not any(gate.glob(f"started-{lost_node}-*")):
+            assert asyncio.get_running_loop().time() < deadline, "no rollout reached the gate on the worker node"
+            assert not gathering.done(), gathering
+            await asyncio.sleep(0.05)
         await asyncio.to_thread(cluster.remove_node, cluster.worker, False)
+        (gate / "open").touch()
         groups = await asyncio.wait_for(gathering, timeout=120)
         stats = backend.rollout_stats(model.spec, ROLLOUT)
         print(f"after losing a node: {stats}")
