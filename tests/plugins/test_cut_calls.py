@@ -1,8 +1,8 @@
 """Rollouts cut mid-call by the adapters' ``timeout=``: the calls are kept, token-exact, and trained on.
 
 The trainable model is the tiny random Qwen2: asked anything, it rambles (greedily) to the gateway's default
-1024 tokens, about five seconds on this machine, so a 1.5-second timeout lands inside the call, as it
-does for a new user whose agent rambles on a CPU. Each run must come back as a truncated trajectory
+1024 tokens, as a new user's agent rambles on a CPU; the mid-call tests hold each call after its first tokens
+(``held_mid_call``, a gate they never open), so the 1.5-second timeout lands inside the call on any machine. Each run must come back as a truncated trajectory
 (``stop_reason="timeout"``) holding the call it cut, with exactly the tokens sampled before the cut; a GRPO
 step then trains on those trajectories from their records alone (no re-rendering).
 """
@@ -10,6 +10,7 @@ step then trains on those trajectories from their records alone (no re-rendering
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import uuid
 from collections.abc import AsyncIterator
@@ -52,6 +53,34 @@ async def model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         yield model
 
 
+@pytest.fixture
+def held_mid_call(model: TrainableModel) -> Any:
+    """Holds each call after its first tokens, on a gate this test never opens, until the rollout's timeout cuts it.
+
+    So "a call still decoding when the timeout fires" holds on any machine, however fast it decodes (a quiet run
+    once finished the 1024-token call inside the 1.5 s). The engine's ``stream`` is wrapped on this instance
+    for the test only; the wrapper is removed after it.
+    """
+    engine = model.backend.gateway(model.spec).engine
+    original, gate = engine.stream, asyncio.Event()
+
+    async def stream(prompt_token_ids: list[int], params: Any) -> AsyncIterator[Any]:
+        async with contextlib.aclosing(original(prompt_token_ids, params)) as deltas:
+            delivered = 0
+            async for delta in deltas:
+                yield delta
+                delivered += 1
+                if delivered >= 4:
+                    await gate.wait()  # cancelled by the cut: the call ends with the tokens delivered so far
+
+    engine.stream = stream
+    try:
+        yield gate
+    finally:
+        del engine.stream  # the class's own method again
+        gate.set()
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir: Path) -> Any:
     """The same weights, loaded apart from the engine: what the cut call must agree with."""
@@ -76,7 +105,7 @@ def assert_cut_call_is_token_exact(trajectory: Trajectory, reference: Any) -> No
     assert call.logprobs == pytest.approx(scored, abs=1e-4)
 
 
-async def test_a_langgraph_rollout_cut_mid_call_keeps_the_call(model: TrainableModel, reference: Any):
+async def test_a_langgraph_rollout_cut_mid_call_keeps_the_call(model: TrainableModel, reference: Any, held_mid_call: Any):
     llm = ChatOpenAI(model=NAME, base_url=f"http://127.0.0.1:9/{uuid.uuid4().hex[:8]}/v1", api_key="unused",
                      temperature=0.0)  # no max_tokens: the gateway's default of 1024, as a new user would run it
     graph = create_react_agent(llm, [add], prompt="Solve it with the tools.")
@@ -91,7 +120,7 @@ def solver() -> Agent[Any]:
     return Agent(name="Solver", instructions="Solve it.", model=NAME, model_settings=ModelSettings(temperature=0))
 
 
-async def test_an_agents_sdk_run_cut_mid_call_keeps_the_call(model: TrainableModel, reference: Any):
+async def test_an_agents_sdk_run_cut_mid_call_keeps_the_call(model: TrainableModel, reference: Any, held_mid_call: Any):
     result, trajectory = await TrainableRunner(model, timeout=TIMEOUT).run(solver(), "What is 2 + 2?")
     assert result is None
     assert_cut_call_is_token_exact(trajectory, reference)
@@ -99,7 +128,7 @@ async def test_an_agents_sdk_run_cut_mid_call_keeps_the_call(model: TrainableMod
     CUT.append(trajectory)
 
 
-async def test_an_agents_sdk_streamed_run_cut_mid_call_keeps_the_call(model: TrainableModel, reference: Any):
+async def test_an_agents_sdk_streamed_run_cut_mid_call_keeps_the_call(model: TrainableModel, reference: Any, held_mid_call: Any):
     streamed = TrainableRunner(model, timeout=TIMEOUT).run_streamed(solver(), "What is 3 + 3?")
     deltas = 0
     async for event in streamed.stream_events():
