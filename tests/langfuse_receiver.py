@@ -12,7 +12,7 @@ with the payloads the SDK really sends:
 - ``POST /api/public/dataset-run-items``: recorded, for SDKs that post run items (v5 links items through spans).
 
 ``mode`` makes it misbehave: ``"ok"``, ``"error"`` (every request answered 500) or ``"hang"`` (requests are
-held until the receiver closes). Nothing here knows art-plugins: it records what arrives.
+held, unanswered, until the test closes the receiver). Nothing here knows art-plugins: it records what arrives.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ class Receiver:
         length = int(http.headers.get("Content-Length") or 0)
         body = http.rfile.read(length) if length else b""
         if self.mode == "hang":
-            self._closing.wait(120)
+            self._closing.wait()  # a gate the test holds: nothing is answered before it calls close()
             return
         if self.mode == "error":
             return self._reply(http, 500, {"message": "receiver told to fail"})
