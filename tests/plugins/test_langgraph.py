@@ -55,7 +55,7 @@ def multiply(a: int, b: int) -> int:
 @tool("add")
 async def slow_add(a: int, b: int) -> int:
     """Add two integers."""
-    await asyncio.sleep(30)
+    await asyncio.Event().wait()  # never set: the tool hangs until the run's time limit cancels it
     return a + b
 
 
@@ -362,6 +362,8 @@ async def test_a_run_over_its_step_limit_is_kept_and_marked_truncated(model):
 
 async def test_a_run_over_its_time_limit_is_kept_and_marked_truncated(model):
     graph = create_react_agent(_llm(), [slow_add, multiply], prompt=REACT_SYSTEM)
-    trajectory = await trainable(graph, model, timeout=5).rollout(REACT_INPUT)
+    # The limit only has to outlast the tiny model's first call (a fraction of a second quiet): 10 s leaves a
+    # wide margin for a loaded machine; the tool itself never returns, so the limit always ends the run.
+    trajectory = await trainable(graph, model, timeout=10).rollout(REACT_INPUT)
     assert trajectory.metadata["stop_reason"] == "timeout" and trajectory.metadata["truncated"] is True
     assert len(trajectory.calls) == 1 and trajectory.messages[-1].tool_calls[0].function.name == "add"

@@ -432,12 +432,14 @@ async def test_guardrails(model: TrainableModel):
 async def test_timeout_keeps_the_trajectory(model: TrainableModel):
     class StuckTool(RunHooks[Any]):
         async def on_tool_start(self, context: Any, agent: Any, tool: Any) -> None:
-            await asyncio.sleep(3600)  # the run hangs after its first call
+            await asyncio.Event().wait()  # never set: the run hangs after its first call
 
-    result, trajectory = await TrainableRunner(model, timeout=3).run(calculator(), "What is 3 + 4?",
-                                                                     hooks=StuckTool())
+    # The limit only has to outlast the tiny model's first call (a fraction of a second quiet): 10 s leaves a wide
+    # margin for a loaded machine; the hook never returns, so the limit always ends the run.
+    result, trajectory = await TrainableRunner(model, timeout=10).run(calculator(), "What is 3 + 4?",
+                                                                      hooks=StuckTool())
     assert result is None and trajectory.metadata["stop_reason"] == "timeout" and len(trajectory.calls) == 1
-    assert "timeout=3 s" in str(trajectory.metadata["error"])
+    assert "timeout=10 s" in str(trajectory.metadata["error"])
 
 
 async def test_concurrent_runs_stay_separate(model: TrainableModel):
