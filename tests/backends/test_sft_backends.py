@@ -93,3 +93,52 @@ async def test_a_bad_chat_file_fails_before_any_work(tiny_model_dir: Path, tmp_p
         assert not (model.model_dir / "trajectories").exists()
         with pytest.raises(Exception, match="takes an SFTConfig"):
             await model.train_sft(_chat_file(tmp_path), config=TrainConfig())  # type: ignore[arg-type]
+
+
+async def test_sft_on_two_ray_ranks_matches_one_process(cluster, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Two trainer ranks each train their slice of every batch; after two optimizer steps the summed gradient of
+    the second equals what one process computes on all the data (so the first step's update agreed too)."""
+    import os
+
+    import torch
+
+    from art_core import LoraSettings, Trajectory, TrajectoryGroup
+    from art_core.backends.ray import RayBackend
+    from art_core.training.trainer import GRPOTrainer, load_policy
+
+    class Recording:  # the single-process reference: no other rank, so sums are the values
+        recorded: list = []
+
+        def sum(self, values):
+            return values
+
+        def gradients(self, params):
+            self.recorded = [p.grad.detach().clone() for p in params]
+
+    root = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": os.pathsep.join([str(root / "core"), str(root)]), "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    lora = LoraSettings(rank=4, alpha=8)
+    model = TrainableModel(name="sft-ranks", base_model=tiny_model_dir, lora=lora)
+    data = [Trajectory.model_validate(c) for c in [*CHATS, CHATS[0]]]
+    config = SFTConfig(batch_size=2, learning_rate=1e-2)
+    async with RayBackend(address=cluster.address, path=tmp_path, trainer_workers=2, num_threads=1,
+                          rollout_workers=1, runtime_env={"env_vars": env}, sharding="none") as backend:
+        await model.register(backend)
+        start = tmp_path / "start"
+        start.mkdir()
+        for name, blob in (await backend.trainer_group(model.spec).adapter()).items():
+            (start / name).write_bytes(blob)
+        result = await backend.train_step(model.spec, [TrajectoryGroup(data)], config, return_gradients=True)
+    assert result["step"] == 1 and result["metrics"]["optimizer_steps"] == 2.0
+    policy, tokenizer = load_policy(tiny_model_dir, lora, device="cpu", adapter_dir=start)
+    reference = Recording()
+    metrics = GRPOTrainer(policy, tokenizer).train_step([TrajectoryGroup(data)], config, sync=reference)
+    names = [n for n, p in policy.named_parameters() if p.requires_grad]
+    rank0, rank1 = result["gradients"]
+    scale = max(float(g.abs().max()) for g in reference.recorded)
+    diff = max(float((torch.tensor(rank0[n]) - g).abs().max()) for n, g in zip(names, reference.recorded))
+    assert scale > 0 and diff <= 1e-4 * scale
+    assert all((rank0[n] == rank1[n]).all() for n in names)
+    assert result["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-4)
+    assert result["metrics"]["samples"] == metrics["samples"] == 4.0
