@@ -95,9 +95,12 @@ async def test_a_bad_chat_file_fails_before_any_work(tiny_model_dir: Path, tmp_p
             await model.train_sft(_chat_file(tmp_path), config=TrainConfig())  # type: ignore[arg-type]
 
 
-async def test_sft_on_two_ray_ranks_matches_one_process(cluster, tiny_model_dir: Path, tmp_path: Path) -> None:
-    """Two trainer ranks each train their slice of every batch; after two optimizer steps the summed gradient of
-    the second equals what one process computes on all the data (so the first step's update agreed too)."""
+@pytest.mark.parametrize("sharding", ["none", "fsdp"])
+async def test_sft_on_two_ray_ranks_matches_one_process(cluster, tiny_model_dir: Path, tmp_path: Path,
+                                                       sharding: str) -> None:
+    """Two trainer ranks each train their slice of every batch (batches of 3: slices of 2 and 1, then 1 and
+    none, one micro-batch per chat, so FSDP's ranks pad their passes); after the two optimizer steps, the summed
+    gradient of the second equals what one process computes on all the data (so the first update agreed too)."""
     import os
 
     import torch
@@ -121,9 +124,9 @@ async def test_sft_on_two_ray_ranks_matches_one_process(cluster, tiny_model_dir:
     lora = LoraSettings(rank=4, alpha=8)
     model = TrainableModel(name="sft-ranks", base_model=tiny_model_dir, lora=lora)
     data = [Trajectory.model_validate(c) for c in [*CHATS, CHATS[0]]]
-    config = SFTConfig(batch_size=2, learning_rate=1e-2)
+    config = SFTConfig(batch_size=3, micro_batch_tokens=16, learning_rate=1e-2)
     async with RayBackend(address=cluster.address, path=tmp_path, trainer_workers=2, num_threads=1,
-                          rollout_workers=1, runtime_env={"env_vars": env}, sharding="none") as backend:
+                          rollout_workers=1, runtime_env={"env_vars": env}, sharding=sharding) as backend:
         await model.register(backend)
         start = tmp_path / "start"
         start.mkdir()

@@ -192,15 +192,14 @@ class GRPOTrainer:
             return _Work(samples, [], 0, 0)
         plan = plan_micro_batches(sample_groups, token_budget=config.micro_batch_tokens,
                                   share_prefix=config.share_prefix and self.share_prefix, pad_token_id=self._pad_id())
-        work = _Work(samples, plan, num_sequences, num_tokens)
-        if sync is not None and hasattr(sync, "planned"):  # FSDP ranks agree on a pass count (distributed.py)
-            sync.planned(work.micro_batches)
-        return work
+        return _Work(samples, plan, num_sequences, num_tokens)
 
     def _accumulate(self, work: _Work, objective: Objective, progress: Progress | None,
                     sync: StepSync | None) -> tuple[StepStats, int]:
         """Forward and backward over every micro-batch, gradients summed in place. Returns the running sums and
         the tokens run through the model. On failure no half-accumulated gradient is left behind."""
+        if sync is not None and hasattr(sync, "planned"):  # FSDP ranks agree on a pass count (distributed.py)
+            sync.planned(work.micro_batches)  # here, not at planning: an SFT pass plans all its steps first
         self.model.train()
         stats = StepStats(next(iter(self.params)).device)
         done = forward_tokens = 0
