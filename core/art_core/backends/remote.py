@@ -4,6 +4,7 @@
         await model.register(backend)      # the server loads the model and serves its gateway
         ...                                # agents call model.rollout_base_url(...) on the server's gateway
         await model.train(groups)          # progress shown here as locally; the step runs on the server
+        await model.train_sft("demos.jsonl")  # SFT too: the file is read here, its chats go over the wire
 
 It needs no torch: only httpx and pydantic. Bodies are JSON (gzip above ``compress_above`` bytes off
 loopback); see ``art_core.wire`` for the routes.
@@ -30,7 +31,7 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import TypeAdapter
 
-from ..config import TrainConfig
+from ..config import SFTConfig, TrainConfig
 from ..errors import ConfigError, ModelNotRegisteredError, ServerError, ServerUnavailableError
 from ..wire import (
     API_PREFIX,
@@ -147,9 +148,9 @@ class RemoteBackend:
         """The model's folder on the server's disk (not on this machine)."""
         return Path(self._registered(model).model_dir)
 
-    async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig, *,
+    async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig | SFTConfig, *,
                     progress: Progress | None = None, train_id: str | None = None) -> TrainResult:
-        """The contract's ``train``, on the server. ``progress(done, total)``, when given, gets the server's
+        """The contract's ``train`` (GRPO or SFT: the config's ``kind`` goes with it), on the server. ``progress(done, total)``, when given, gets the server's
         progress events in place of the progress bar. ``train_id`` (default: a digest of the groups and config)
         makes it idempotent: the same id trains once, however often it is sent."""
         registered = self._registered(model)
