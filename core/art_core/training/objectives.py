@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import torch
+
 from ..config import TrainConfig
 from ..types import TrajectoryGroup
 from .advantages import AdvantageScale, compute_group_advantages
-import torch
-
 from .losses import Loss, LossInputs, LossOutput, build_loss
 
 __all__ = ["GRPOObjective", "Objective", "SFTObjective", "Weights"]
