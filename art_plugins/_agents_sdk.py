@@ -104,8 +104,9 @@ class _GatewayProvider(ModelProvider):
             # The gateway on loopback takes any key; the model name sent is the one the gateway serves.
             # Its calls are counted on the rollout's route, so a run cut short can wait for their records.
             http = openai.DefaultAsyncHttpxClient(transport=CountingTransport(httpx2.AsyncHTTPTransport(), self._route))
-            self._client = openai.AsyncOpenAI(base_url=self._model.rollout_base_url(self._rollout_id),
-                                              api_key=self._model.api_key or "local", http_client=http)
+            # The route's URL: the rollout's gateway, or in demonstration mode the teacher proxy.
+            self._client = openai.AsyncOpenAI(base_url=self._route.base_url, api_key=self._route.api_key or "local",
+                                              http_client=http)
             provider = OpenAIProvider(openai_client=self._client, use_responses=self._use_responses,
                                       use_responses_websocket=False)  # the gateway speaks HTTP only
             self._trainable = provider.get_model(self._model.name)

@@ -69,6 +69,7 @@ from art_core.errors import ConfigError, LifecycleError
 from ._langfuse_options import langfuse_tracers
 from ._rollout import NoTrainableCallsError, RewardFn, RolloutScope, gather_group, score
 from ._tracing import Tracer, rollout_tracers
+from .demonstrations import Teacher
 
 try:
     from agents import (
@@ -159,9 +160,21 @@ class TrainableRunner:
         self.langfuse = langfuse
         # What traces each run (``art_plugins._tracing``): Langfuse when ``langfuse`` turns it on.
         self._tracers: tuple[Tracer, ...] = langfuse_tracers(langfuse, model)
+        self._teacher: Any = None  # the TeacherProxy, on the copy demonstrations() yields
 
     def __repr__(self) -> str:
         return f"TrainableRunner(model={self.model.name!r}, model_names={sorted(self.model_names)})"
+
+    def demonstrations(self, teacher: Teacher | str) -> contextlib.AbstractAsyncContextManager[TrainableRunner]:
+        """Demonstration mode: ``async with runner.demonstrations(teacher) as demo:`` gives a ``TrainableRunner``
+        whose runs (``run``, ``run_streamed``, ``group``, ``capture``, either API) have the trainable model's calls
+        answered by ``teacher`` instead of the gateway; each trajectory holds the teacher's turns for
+        ``model.train_sft`` (see ``art_plugins.demonstrations``). ``teacher``: a ``Teacher`` or a litellm model
+        string. A teacher that fails a call raises ``TeacherError`` from the run, quoting it.
+        """
+        from ._teacher_proxy import demonstrating
+
+        return demonstrating(self, teacher)
 
     def capture(self, *, rollout_id: str | None = None, agent: Agent[Any] | None = None,
                 run_config: RunConfig | dict[str, Any] | None = None, seed: int | None = None) -> AgentCapture:
@@ -330,7 +343,7 @@ class AgentCapture:
         self._runner = runner
         self.scope = RolloutScope(runner.model, model_names=runner.model_names, framework="openai-agents",
                                   caller=_calling_agent.get, rollout_id=rollout_id, redirect=redirect, seed=seed,
-                                  tracers=tracers, input=input)
+                                  tracers=tracers, input=input, teacher=runner._teacher)
         self.rollout_id = self.scope.rollout_id
         self.tool_errors: list[str] = []
         self._handled_stop: str | None = None
@@ -381,12 +394,12 @@ class AgentCapture:
         return cast("RunErrorHandlers[Any]", {kind: self._noting(kind, handler) for kind, handler in given.items()})
 
     def made_calls(self) -> bool:
-        """Whether the gateway recorded any call of this run (waited for in this thread; see ``fetch_made_calls``)."""
-        return bool(self._runner.model.rollout_records(self.rollout_id))
+        """Whether any call of this run was recorded (waited for in this thread; see ``fetch_made_calls``)."""
+        return self.scope.made_calls()
 
     async def fetch_made_calls(self) -> bool:
         """``made_calls``, without blocking the event loop."""
-        return bool(await self._runner.model.fetch_rollout_records(self.rollout_id))
+        return await self.scope.fetch_made_calls()
 
     async def fetch_trajectory(self, *, final_output: Any = None, last_agent: Agent[Any] | None = None,
                                error: BaseException | None = None, stop_reason: str | None = None) -> Trajectory:
@@ -571,9 +584,11 @@ class StreamedRun:
         except GeneratorExit:
             raise
         except BaseException as exc:
-            self._failure = exc
+            self._failure = self._capture.scope.explained(exc)  # a teacher's failure, in demonstration mode
             self._done.set()
             await self._capture._aclose()
+            if self._failure is not exc:
+                raise self._failure from exc
             raise
         await self._finish(error)
 
