@@ -56,7 +56,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import inspect
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from contextvars import Token
@@ -83,7 +82,6 @@ try:
         RunState,
         Session,
         StreamEvent,
-        ToolErrorFormatterArgs,
         TResponseInputItem,
     )
     from agents.run_config import DEFAULT_MAX_TURNS
@@ -104,6 +102,8 @@ from ._agents_sdk import (  # noqa: E402  (after the SDK's own import check abov
     _labelling,
     _last_agent,
     _no_label,
+    _noting,
+    _reporting,
     _stop_reason,
 )
 
@@ -381,7 +381,7 @@ class AgentCapture:
         return dataclasses.replace(
             config, model_provider=provider,
             call_model_input_filter=_labelling(config.call_model_input_filter),
-            tool_error_formatter=self._reporting(config.tool_error_formatter),
+            tool_error_formatter=_reporting(config.tool_error_formatter, self.tool_errors),
             # A traced run needs the SDK's tracing on: tracers read the SDK's spans (OpenInference for Langfuse).
             tracing_disabled=config.tracing_disabled or not (runner.tracing or self.scope.traced),
         )
@@ -391,7 +391,12 @@ class AgentCapture:
         if not handlers:
             return handlers
         given = cast(dict[str, Callable[[Any], Any]], handlers)
-        return cast("RunErrorHandlers[Any]", {kind: self._noting(kind, handler) for kind, handler in given.items()})
+        noted = {kind: _noting(kind, handler, self._note_handled) for kind, handler in given.items()}
+        return cast("RunErrorHandlers[Any]", noted)
+
+    def _note_handled(self, kind: str) -> None:
+        """An ``error_handlers`` entry turned an error of ``kind`` into a final output: the run did stop early."""
+        self._handled_stop = _HANDLED_STOP_REASONS.get(kind, kind)
 
     def made_calls(self) -> bool:
         """Whether any call of this run was recorded (waited for in this thread; see ``fetch_made_calls``)."""
@@ -459,31 +464,6 @@ class AgentCapture:
         providers, self._providers = self._providers, []
         for provider in providers:
             await provider.aclose()
-
-    def _reporting(self, user_formatter: Callable[[ToolErrorFormatterArgs[Any]], Any] | None
-                   ) -> Callable[[ToolErrorFormatterArgs[Any]], Awaitable[str | None]]:
-        async def report(args: ToolErrorFormatterArgs[Any]) -> str | None:
-            # The SDK shows the model only a generic message; the exception itself is what a person reading
-            # the trajectory needs. (It may hold sensitive data: it is stored with the trajectory.)
-            cause = f"{type(args.error).__name__}: {args.error}" if args.error is not None else args.default_message
-            agent = _calling_agent.get()
-            self.tool_errors.append(f"tool {args.tool_name!r} ({args.kind}, call {args.call_id}"
-                                    f"{f', agent {agent!r}' if agent else ''}): {cause}")
-            if user_formatter is None:
-                return None  # the SDK's default message
-            message = user_formatter(args)
-            return cast(str | None, await message if inspect.isawaitable(message) else message)
-        return report
-
-    def _noting(self, kind: str, handler: Callable[[Any], Any]) -> Callable[[Any], Awaitable[Any]]:
-        async def handle(data: Any) -> Any:
-            outcome = handler(data)
-            if inspect.isawaitable(outcome):
-                outcome = await outcome
-            if outcome is not None:  # handled: the run ends with this output, but it did stop early
-                self._handled_stop = _HANDLED_STOP_REASONS.get(kind, kind)
-            return outcome
-        return handle
 
 
 class StreamedRun:

@@ -22,7 +22,7 @@ from agents import Agent, ModelSettings, function_tool
 from langchain_core.messages import AnyMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
-from langgraph.graph import END, START, StateGraph
+from langgraph.graph import START, StateGraph
 from langgraph.graph.message import add_messages
 from langgraph.prebuilt import ToolNode, tools_condition
 
@@ -145,8 +145,8 @@ def calculator_graph(**llm_options: Any) -> Any:
     """A ReAct loop: the chat model (the trainable "agent") with ``multiply``, and a ToolNode."""
     # A base URL of its own: langchain_openai caches one httpx client per base URL, whose pooled connections
     # belong to the event loop of the test that opened them.
-    llm = ChatOpenAI(model="agent", base_url=f"{UNREACHABLE}/{uuid.uuid4().hex[:8]}", api_key="unused", max_tokens=64, max_retries=0,
-                     **llm_options).bind_tools([multiply])
+    llm = ChatOpenAI(model="agent", base_url=f"{UNREACHABLE}/{uuid.uuid4().hex[:8]}", api_key="unused",
+                     max_tokens=64, max_retries=0, **llm_options).bind_tools([multiply])
 
     async def think(state: State) -> dict[str, Any]:
         return {"messages": [await llm.ainvoke(state["messages"])]}
