@@ -9,6 +9,7 @@ holds the conversation and the tool schemas with no token ids, and that the gate
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import uuid
@@ -268,3 +269,31 @@ async def test_demonstrations_train(model: TrainableModel, teacher: StandInTeach
     step = model.step
     await model.train_sft(trajectories)
     assert model.step == step + 1
+
+
+# --- the README's example ---
+
+
+def readme_example() -> str:
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Demonstrations from a stronger model"):]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start: section.index("```\n", start)]
+
+
+async def test_readme_example(teacher: StandInTeacher, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """The README's example as written, its teacher the stand-in (and its model not even registered)."""
+    code = readme_example()
+    for placeholder, value in (
+            ('base_url="https://api.openai.com/v1", api_key=os.environ["OPENAI_API_KEY"]',
+             f"base_url={teacher.base_url!r}, api_key={teacher.KEY!r}"),
+            ('model="gpt-4.1"', 'model="big-teacher"'),
+            ('ChatOpenAI(model="calc", max_tokens=64)',  # see calculator_graph: a client of its own
+             f'ChatOpenAI(model="calc", max_tokens=64, base_url="{UNREACHABLE}/{uuid.uuid4().hex[:8]}", '
+             'api_key="unused")'),
+            ('"demos.jsonl"', repr(str(tmp_path / "demos.jsonl")))):
+        assert placeholder in code
+        code = code.replace(placeholder, value)
+    await asyncio.to_thread(exec, compile(code, "README.md", "exec"), {"__name__": "readme"})  # asyncio.run inside
+    assert capsys.readouterr().out.splitlines() == [f"4 {ANSWER}"]
+    assert len(teacher.requests) == 8  # 4 runs, each a tool call and an answer
