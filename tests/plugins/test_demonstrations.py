@@ -172,6 +172,19 @@ async def test_langgraph_demonstration(model: TrainableModel, teacher: StandInTe
     await assert_gateway_untouched(model, trajectory)
 
 
+async def test_litellm_teacher(model: TrainableModel, teacher: StandInTeacher, monkeypatch: pytest.MonkeyPatch):
+    """A litellm model string: litellm's OpenAI provider, pointed at the stand-in by its usual variables."""
+    monkeypatch.setenv("OPENAI_API_BASE", teacher.base_url)
+    monkeypatch.setenv("OPENAI_API_KEY", teacher.KEY)
+    agent = trainable(calculator_graph(), model)
+    async with agent.demonstrations("openai/big-teacher") as demo:
+        trajectory = await demo.rollout({"messages": [("user", QUESTION)]})
+    assert trajectory.final_state["messages"][-1].content == ANSWER
+    assert trajectory.metadata["teacher"] == "openai/big-teacher"
+    assert [r["model"] for r in teacher.requests] == ["big-teacher", "big-teacher"]
+    assert trajectory.messages[-1].text() == ANSWER and trajectory.calls == []
+
+
 async def test_langgraph_group_and_chat_file(model: TrainableModel, teacher: StandInTeacher, tmp_path: Path):
     """A group of demonstrations keeps its runs apart, and writes to a chat file that reads back as it was."""
     agent = trainable(calculator_graph(), model)
