@@ -137,8 +137,8 @@ class RolloutScope:
         mode, a ``TeacherError`` quoting the teacher (what the agent raised only says its call failed)."""
         if self.teacher is None or not isinstance(error, Exception) or isinstance(error, TeacherError):
             return error
-        failures = self.teacher.failures(self.rollout_id)
-        return TeacherError(failures[-1]) if failures else error
+        failure = self.teacher.last_failure(self.rollout_id)
+        return TeacherError(failure) if failure is not None else error
 
     def _exit(self, exc_type: type[BaseException] | None, exc: BaseException | None,
               tb: TracebackType | None) -> None:

@@ -88,6 +88,7 @@ class TeacherProxy:
         self._lock = threading.Lock()  # exchanges are read from the rollouts' threads, written by the loop
         self._exchanges: dict[str, list[TeacherExchange]] = {}
         self._failures: dict[str, list[str]] = {}
+        self._failed_last: dict[str, bool] = {}  # whether the rollout's latest answered-or-failed call failed
         self._server: EmbeddedServer | None = None
         self._task: asyncio.Task[None] | None = None
         self._client: httpx.AsyncClient | None = None
@@ -144,6 +145,12 @@ class TeacherProxy:
         with self._lock:
             return list(self._failures.get(rollout_id, ()))
 
+    def last_failure(self, rollout_id: str) -> str | None:
+        """Why the teacher failed the rollout's latest call, or None when that call was answered (a failure the
+        agent's client retried past is no cause of what the run raised later)."""
+        with self._lock:
+            return self._failures[rollout_id][-1] if self._failed_last.get(rollout_id) else None
+
     # --- the routes ---
 
     def _app(self) -> FastAPI:
@@ -199,6 +206,7 @@ class TeacherProxy:
         except TeacherCallError as exc:
             with self._lock:
                 self._failures.setdefault(rollout_id, []).append(str(exc))
+                self._failed_last[rollout_id] = True
             logger.warning("rollout %s: %s", rollout_id, exc)
             raise APIError(exc.status_code, str(exc), type="teacher_error", code="teacher_error") from exc
         caller = request.headers.get(CALLER_HEADER)
@@ -209,6 +217,7 @@ class TeacherProxy:
             usage=reply.usage)
         with self._lock:  # recorded before the answer goes out: "answered" means "recorded", as at the gateway
             self._exchanges.setdefault(rollout_id, []).append(exchange)
+            self._failed_last[rollout_id] = False
         return reply, exchange
 
 

@@ -25,6 +25,9 @@ them on the event loop's default thread pool, where each holds its thread until 
 engine, gateway and training step never need a thread of that pool (``art_core._threads``); nodes beyond the
 pool's size wait for a thread. ``method="invoke"`` runs each rollout in a thread of its own (its nodes then
 run on LangGraph's own per-run pool), so a group never queues behind itself.
+
+``async with agent.demonstrations(teacher) as demo:`` gives the same graph with its trainable calls answered by a
+stronger model, its rollouts demonstrations for supervised fine-tuning (``art_plugins.demonstrations``).
 """
 
 from __future__ import annotations
