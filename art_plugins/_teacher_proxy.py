@@ -199,6 +199,8 @@ class TeacherProxy:
         sent = {"messages": messages, **{k: dumped[k] for k in _FORWARDED if k in dumped}}
         if tools:
             sent["tools"] = tools
+        else:  # OpenAI refuses these without tools, and they mean nothing then
+            sent = {k: v for k, v in sent.items() if k not in ("tools", "tool_choice", "parallel_tool_calls")}
         assert self._client is not None  # the routes run only while started
         try:
             with unrouted():  # the teacher's call is not the agent's: never redirect it, even to ourselves

@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
+import openai
 import pytest
 from agents import Agent, ModelSettings, function_tool
 from langchain_core.messages import AnyMessage
@@ -31,6 +32,7 @@ from art_core import TrainableModel
 from art_core.errors import ConfigError
 from art_core.sft import read_chat_file, write_chat_file
 from art_plugins import Teacher, TeacherError
+from art_plugins._teacher_proxy import TeacherProxy
 from art_plugins.langgraph import trainable
 from art_plugins.openai_agents import TrainableRunner
 
@@ -127,6 +129,37 @@ def assert_demonstration(trajectory: Any, teacher: StandInTeacher) -> None:
 
 async def assert_gateway_untouched(model: TrainableModel, trajectory: Any) -> None:
     assert await model.fetch_rollout_records(trajectory.metadata["rollout_id"]) == []
+
+
+# --- the proxy itself, with the official client ---
+
+
+async def test_proxy_refuses_what_it_cannot_record(teacher: StandInTeacher):
+    proxy = TeacherProxy(teacher.as_teacher())
+    await proxy.start()
+    try:
+        url = proxy.rollout_base_url("run-1")
+        async with openai.AsyncOpenAI(base_url=url, api_key=proxy.api_key, max_retries=0) as client:
+            with pytest.raises(openai.BadRequestError, match="n is 2: demonstration mode records one reply"):
+                await client.chat.completions.create(model="agent", messages=[{"role": "user", "content": "hi"}],
+                                                     n=2, max_tokens=8)
+            reply = await client.chat.completions.create(model="agent", max_tokens=8,
+                                                         messages=[{"role": "user", "content": "hi"}],
+                                                         extra_headers={"X-Art-Caller": "think%20node"})
+        async with openai.AsyncOpenAI(base_url=url, api_key="someone-else", max_retries=0) as stranger:
+            with pytest.raises(openai.AuthenticationError, match="wrong or missing bearer token"):
+                await stranger.chat.completions.create(model="agent", messages=[{"role": "user", "content": "hi"}])
+        assert reply.choices[0].message.tool_calls[0].function.name == "multiply"
+        (exchange,) = proxy.exchanges("run-1")
+        assert exchange.caller == "think node" and exchange.messages == [{"role": "user", "content": "hi"}]
+        answered = reply.choices[0].message
+        assert exchange.reply == {"role": "assistant", "content": answered.content,
+                                  "tool_calls": [c.model_dump() for c in answered.tool_calls or []]}
+        assert proxy.exchanges("run-2") == [] and teacher.requests[0]["max_tokens"] == 8
+        with pytest.raises(ConfigError, match="rollout id"):
+            proxy.rollout_base_url("a/b")
+    finally:
+        await proxy.aclose()
 
 
 # --- LangGraph ---
