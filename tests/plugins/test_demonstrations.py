@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import uuid
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ from langgraph.graph import START, StateGraph
 from langgraph.graph.message import add_messages
 from langgraph.prebuilt import ToolNode, tools_condition
 
-from art_core import TrainableModel
+from art_core import SFTConfig, TrainableModel
 from art_core.errors import ConfigError
 from art_core.sft import read_chat_file, write_chat_file
 from art_plugins import Teacher, TeacherError
@@ -305,16 +306,22 @@ async def test_agents_sdk_teacher_error_is_named(model: TrainableModel, teacher:
 # --- the trajectory trains ---
 
 
-async def test_demonstrations_train(model: TrainableModel, teacher: StandInTeacher):
-    """TO FINISH once ``train_sft`` (branch i26-sft) is merged: SFT on demonstrations moves the step counter."""
-    if not hasattr(model, "train_sft"):
-        pytest.skip("TrainableModel.train_sft is not merged yet (branch i26-sft): finish this test then")
+async def test_demonstrations_train(model: TrainableModel, teacher: StandInTeacher, tmp_path: Path):
+    """Demonstrations train as they come (rendered with the student's template, counted) and from the chat file
+    they were written to; each SFT step is a step, and the gateway serves the checkpoint it wrote."""
     agent = trainable(calculator_graph(), model)
     async with agent.demonstrations(teacher.as_teacher()) as demo:
-        trajectories = [await demo.rollout({"messages": [("user", QUESTION)]}) for _ in range(2)]
-    step = model.step
-    await model.train_sft(trajectories)
-    assert model.step == step + 1
+        group = await demo.group({"messages": [("user", QUESTION)]}, n=2)
+    assert model.step == 0 and not group.exceptions
+    metrics = await model.train_sft(group.trajectories, config=SFTConfig(batch_size=2, learning_rate=1e-2))
+    assert model.step == 1 and metrics["samples_rerendered"] == 2.0  # no token ids: both rendered, and counted
+    assert math.isfinite(metrics["loss"]) and metrics["loss"] > 0
+    metrics = await model.train_sft(write_chat_file(tmp_path / "demos.jsonl", group.trajectories),
+                                    config=SFTConfig(batch_size=2, learning_rate=1e-2))
+    assert model.step == 2 and metrics["samples_rerendered"] == 2.0
+    # The student now answers from checkpoint 2 (a real rollout, through the gateway this time).
+    trajectory = await agent.rollout({"messages": [("user", QUESTION)]})
+    assert trajectory.calls and trajectory.calls[0].adapter_step == 2 and "demonstration" not in trajectory.metadata
 
 
 # --- the README's example ---
