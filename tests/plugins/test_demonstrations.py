@@ -334,10 +334,13 @@ def readme_example() -> str:
     return section[start: section.index("```\n", start)]
 
 
-async def test_readme_example(teacher: StandInTeacher, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
-    """The README's example as written, its teacher the stand-in (and its model not even registered)."""
+async def test_readme_example(teacher: StandInTeacher, tiny_model_dir: Path, tmp_path: Path,
+                              capsys: pytest.CaptureFixture[str]):
+    """The README's example as written, its teacher the stand-in, its student the tiny model."""
     code = readme_example()
     for placeholder, value in (
+            ('project="demos")', f'project="demos", base_model={str(tiny_model_dir)!r})'),
+            ('path=".art"', f"path={str(tmp_path / 'art')!r}"),
             ('base_url="https://api.openai.com/v1", api_key=os.environ["OPENAI_API_KEY"]',
              f"base_url={teacher.base_url!r}, api_key={teacher.KEY!r}"),
             ('model="gpt-4.1"', 'model="big-teacher"'),
@@ -348,5 +351,6 @@ async def test_readme_example(teacher: StandInTeacher, tmp_path: Path, capsys: p
         assert placeholder in code
         code = code.replace(placeholder, value)
     await asyncio.to_thread(exec, compile(code, "README.md", "exec"), {"__name__": "readme"})  # asyncio.run inside
-    assert capsys.readouterr().out.splitlines() == [f"4 {ANSWER}"]
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.strip()]  # the step's progress: blank
+    assert printed == [f"4 {ANSWER}", "1 4.0"]
     assert len(teacher.requests) == 8  # 4 runs, each a tool call and an answer
