@@ -28,6 +28,7 @@ from agents import (
     OutputGuardrailTripwireTriggered,
     RunConfig,
     StreamEvent,
+    ToolErrorFormatterArgs,
     ToolInputGuardrailTripwireTriggered,
     ToolOutputGuardrailTripwireTriggered,
 )
@@ -104,8 +105,9 @@ class _GatewayProvider(ModelProvider):
             # The gateway on loopback takes any key; the model name sent is the one the gateway serves.
             # Its calls are counted on the rollout's route, so a run cut short can wait for their records.
             http = openai.DefaultAsyncHttpxClient(transport=CountingTransport(httpx2.AsyncHTTPTransport(), self._route))
-            self._client = openai.AsyncOpenAI(base_url=self._model.rollout_base_url(self._rollout_id),
-                                              api_key=self._model.api_key or "local", http_client=http)
+            # The route's URL: the rollout's gateway, or in demonstration mode the teacher proxy.
+            self._client = openai.AsyncOpenAI(base_url=self._route.base_url, api_key=self._route.api_key or "local",
+                                              http_client=http)
             provider = OpenAIProvider(openai_client=self._client, use_responses=self._use_responses,
                                       use_responses_websocket=False)  # the gateway speaks HTTP only
             self._trainable = provider.get_model(self._model.name)
@@ -218,3 +220,32 @@ def _as_text(output: Any) -> str | None:
         return json.dumps(output, ensure_ascii=False)
     except (TypeError, ValueError):
         return repr(output)
+
+
+def _reporting(user_formatter: Callable[[ToolErrorFormatterArgs[Any]], Any] | None,
+               errors: list[str]) -> Callable[[ToolErrorFormatterArgs[Any]], Awaitable[str | None]]:
+    """A ``tool_error_formatter`` that appends each tool error to ``errors``, then runs the run's own formatter."""
+    async def report(args: ToolErrorFormatterArgs[Any]) -> str | None:
+        # The SDK shows the model only a generic message; the exception itself is what a person reading
+        # the trajectory needs. (It may hold sensitive data: it is stored with the trajectory.)
+        cause = f"{type(args.error).__name__}: {args.error}" if args.error is not None else args.default_message
+        agent = _calling_agent.get()
+        errors.append(f"tool {args.tool_name!r} ({args.kind}, call {args.call_id}"
+                      f"{f', agent {agent!r}' if agent else ''}): {cause}")
+        if user_formatter is None:
+            return None  # the SDK's default message
+        message = user_formatter(args)
+        return cast(str | None, await message if inspect.isawaitable(message) else message)
+    return report
+
+
+def _noting(kind: str, handler: Callable[[Any], Any], note: Callable[[str], None]) -> Callable[[Any], Awaitable[Any]]:
+    """An ``error_handlers`` entry that calls ``note(kind)`` when ``handler`` turned the error into a final output."""
+    async def handle(data: Any) -> Any:
+        outcome = handler(data)
+        if inspect.isawaitable(outcome):
+            outcome = await outcome
+        if outcome is not None:  # handled: the run ends with this output, but it did stop early
+            note(kind)
+        return outcome
+    return handle

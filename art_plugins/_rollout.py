@@ -22,17 +22,21 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextvars import ContextVar
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from art_core import TrainableModel, Trajectory, TrajectoryGroup
 from art_core.errors import ArtError, ConfigError
 from art_core.rewards import RewardFn, reward_value
-from art_core.trajectories import trajectory_from_records
+from art_core.trajectories import trajectory_from_conversations, trajectory_from_records
 from art_core.wire import RolloutStatus
 
 from ._calls import routed_call
 from ._routing import Route, derive_seed, routed, wrappers_installed
 from ._tracing import RolloutInfo, RolloutObserver, RoutedCall, Tracer
+from .demonstrations import DEMONSTRATION_KEY, TEACHER_KEY, TeacherError
+
+if TYPE_CHECKING:
+    from ._teacher_proxy import TeacherProxy
 
 __all__ = ["NoTrainableCallsError", "RewardFn", "RolloutScope", "check_seed", "current_group_id", "gather_group",
            "score"]
@@ -68,12 +72,15 @@ class RolloutScope:
             when the adapter sends every trainable call through a client of its own (counted on ``route``).
         tracers: each observes the rollout (``art_plugins._tracing``). Default: none.
         input: the run's input, for the tracers.
+        teacher: demonstration mode: the trainable model's calls go to this teacher proxy instead of the gateway,
+            and the trajectory is built from its exchanges (no token ids; see ``art_plugins.demonstrations``).
+            Default: None (the gateway).
     """
 
     def __init__(self, model: TrainableModel, *, model_names: Iterable[str] | None = None, framework: str,
                  caller: Callable[[], str | None] | None = None, rollout_id: str | None = None,
                  seed: int | None = None, redirect: bool = True, tracers: Sequence[Tracer] = (),
-                 input: Any = None) -> None:
+                 input: Any = None, teacher: TeacherProxy | None = None) -> None:
         names = frozenset(model_names) if model_names is not None else frozenset({model.name})
         check_seed(seed)
         if not names or not all(isinstance(n, str) and n for n in names):
@@ -81,9 +88,14 @@ class RolloutScope:
         self.model = model
         self.framework = framework
         self.rollout_id = rollout_id or f"{framework}-{uuid.uuid4().hex[:16]}"
-        gateway_url = model.rollout_base_url(self.rollout_id)  # validates the id; raises if not registered
-        self.route = Route(model_names=names, served_name=model.name, base_url=gateway_url,
-                           api_key=model.api_key, caller=caller, seed=seed)
+        self.teacher = teacher
+        if teacher is None:
+            base_url = model.rollout_base_url(self.rollout_id)  # validates the id; raises if not registered
+            api_key = model.api_key
+        else:  # the gateway is never asked: a model that is not registered can collect demonstrations
+            base_url, api_key = teacher.rollout_base_url(self.rollout_id), teacher.api_key
+        self.route = Route(model_names=names, served_name=model.name, base_url=base_url,
+                           api_key=api_key, caller=caller, seed=seed)
         self.redirect = redirect
         self._scope: Any = None
         # Chosen now, not when the trajectory is built, so that a trace can be named after it while the run goes.
@@ -113,6 +125,23 @@ class RolloutScope:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        try:
+            self._exit(exc_type, exc, tb)
+        finally:
+            explained = self.explained(exc) if exc is not None else None
+            if explained is not None and explained is not exc:
+                raise explained from exc
+
+    def explained(self, error: BaseException) -> BaseException:
+        """``error`` (what ended the run), or, when the teacher failed a call of this rollout in demonstration
+        mode, a ``TeacherError`` quoting the teacher (what the agent raised only says its call failed)."""
+        if self.teacher is None or not isinstance(error, Exception) or isinstance(error, TeacherError):
+            return error
+        failure = self.teacher.last_failure(self.rollout_id)
+        return TeacherError(failure) if failure is not None else error
+
+    def _exit(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+              tb: TracebackType | None) -> None:
         for observer in self.observers:
             observer.exit(exc)
         if self._held is None:
@@ -222,16 +251,34 @@ class RolloutScope:
         """
         start = time.monotonic()
         while time.monotonic() - start < timeout:
-            recorded = len({r.request_id for r in await self.model.fetch_rollout_records(self.rollout_id)})
+            recorded = len({r.request_id for r in await self._fetch_records()})
             if recorded >= self.route.calls_to_record and (
                     recorded >= self.route.calls_maybe_recorded or time.monotonic() - start >= grace):
                 return
             await asyncio.sleep(0.01)
 
+    async def _fetch_records(self) -> list[Any]:
+        """The rollout's records so far: the gateway's, or in demonstration mode the teacher proxy's exchanges."""
+        if self.teacher is not None:
+            return self.teacher.exchanges(self.rollout_id)
+        return await self.model.fetch_rollout_records(self.rollout_id)
+
+    async def fetch_made_calls(self) -> bool:
+        """Whether any call of this rollout was recorded (by the gateway, or the teacher proxy)."""
+        return bool(await self._fetch_records())
+
+    def made_calls(self) -> bool:
+        """``fetch_made_calls``, waited for in this thread."""
+        if self.teacher is not None:
+            return bool(self.teacher.exchanges(self.rollout_id))
+        return bool(self.model.rollout_records(self.rollout_id))
+
     async def fetch_trajectory(self, *, final_state: Any = None, stop_reason: str | None = None,
                                metadata: dict[str, Any] | None = None) -> Trajectory:
         """``trajectory``, with the gateway's records fetched without blocking the event loop (the adapters'
         rollouts use it: with a remote backend the records come over HTTP)."""
+        if self.teacher is not None:
+            return self._demonstration(final_state=final_state, stop_reason=stop_reason, metadata=metadata)
         records = await self.model.fetch_rollout_records(self.rollout_id)
         status = await self.model.fetch_rollout_status(self.rollout_id) if self._needs_status(records) else None
         return self._trajectory(records, status, final_state=final_state, stop_reason=stop_reason,
@@ -259,10 +306,39 @@ class RolloutScope:
                 or its calls were sent but none of them sampled a token (the message says what happened to them:
                 how many the gateway received and never answered, cut, refused).
         """
+        if self.teacher is not None:
+            return self._demonstration(final_state=final_state, stop_reason=stop_reason, metadata=metadata)
         records = self.model.rollout_records(self.rollout_id)
         status = self.model.rollout_status(self.rollout_id) if self._needs_status(records) else None
         return self._trajectory(records, status, final_state=final_state, stop_reason=stop_reason,
                                 metadata=metadata)
+
+    def _labels(self, stop_reason: str | None, metadata: dict[str, Any] | None) -> dict[str, Any]:
+        labels: dict[str, Any] = {"framework": self.framework, "rollout_id": self.rollout_id,
+                                  "truncated": stop_reason is not None}
+        if stop_reason is not None:
+            labels["stop_reason"] = stop_reason
+        return {**labels, **(metadata or {})}
+
+    def _demonstration(self, *, final_state: Any, stop_reason: str | None,
+                       metadata: dict[str, Any] | None) -> Trajectory:
+        """The run as a demonstration: histories from the teacher's exchanges, no token ids."""
+        assert self.teacher is not None
+        exchanges = self.teacher.exchanges(self.rollout_id)
+        if not exchanges:
+            failures = self.teacher.failures(self.rollout_id)
+            if failures:
+                raise TeacherError(f"rollout {self.rollout_id}: the teacher answered none of its "
+                                   f"{len(failures)} call(s); the last failure: {failures[-1]}")
+            raise NoTrainableCallsError(self._why_never_called(stop_reason))
+        labels = {**self._labels(stop_reason, metadata), DEMONSTRATION_KEY: True,
+                  TEACHER_KEY: self.teacher.teacher.label}
+        trajectory = trajectory_from_conversations(exchanges, id=self.trajectory_id, metadata=labels)
+        trajectory.metrics["teacher_calls"] = len(exchanges)
+        trajectory.final_state = final_state
+        for observer in self.observers:
+            observer.link(trajectory)
+        return trajectory
 
     def _needs_status(self, records: list[Any]) -> bool:
         """Whether building the trajectory needs the gateway's status: some call has no record (one more round
@@ -276,10 +352,7 @@ class RolloutScope:
         if not sampled:
             assert status is not None  # _needs_status asked for it
             raise NoTrainableCallsError(self._why_nothing_sampled(records, status, stop_reason))
-        labels: dict[str, Any] = {"framework": self.framework, "rollout_id": self.rollout_id,
-                                  "truncated": stop_reason is not None}
-        if stop_reason is not None:
-            labels["stop_reason"] = stop_reason
+        labels = self._labels(stop_reason, None)
         cancelled = sum(r.finish_reason == "cancelled" for r in records)
         if cancelled:
             labels["cancelled_calls"] = cancelled

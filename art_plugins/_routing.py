@@ -34,7 +34,7 @@ from urllib.parse import quote
 
 from art_core.wire import CALLER_HEADER, SEED_HEADER
 
-__all__ = ["CountingTransport", "Route", "current_route", "derive_seed", "routed", "wrappers_installed"]
+__all__ = ["CountingTransport", "Route", "current_route", "derive_seed", "routed", "unrouted", "wrappers_installed"]
 
 logger = logging.getLogger(__name__)
 
@@ -276,6 +276,16 @@ def routed(route: Route) -> Iterator[Route]:
     finally:
         _current.reset(token)
         _uninstall()
+
+
+@contextlib.contextmanager
+def unrouted() -> Iterator[None]:
+    """No route current in the code inside: its calls go where they were sent (the teacher proxy's own calls)."""
+    token = _current.set(None)
+    try:
+        yield
+    finally:
+        _current.reset(token)
 
 
 @contextlib.contextmanager

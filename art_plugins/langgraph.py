@@ -25,6 +25,9 @@ them on the event loop's default thread pool, where each holds its thread until 
 engine, gateway and training step never need a thread of that pool (``art_core._threads``); nodes beyond the
 pool's size wait for a thread. ``method="invoke"`` runs each rollout in a thread of its own (its nodes then
 run on LangGraph's own per-run pool), so a group never queues behind itself.
+
+``async with agent.demonstrations(teacher) as demo:`` gives the same graph with its trainable calls answered by a
+stronger model, its rollouts demonstrations for supervised fine-tuning (``art_plugins.demonstrations``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ import contextvars
 import functools
 import threading
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, Literal, TypeVar, overload
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from art_core import TrainableModel, Trajectory, TrajectoryGroup
 from art_core.errors import ConfigError
@@ -43,6 +47,10 @@ from art_core.errors import ConfigError
 from ._langfuse_options import langfuse_tracers
 from ._rollout import NoTrainableCallsError, RewardFn, RolloutScope, gather_group, score
 from ._tracing import Tracer, rollout_tracers
+from .demonstrations import Teacher
+
+if TYPE_CHECKING:
+    from ._teacher_proxy import TeacherProxy
 
 __all__ = ["NoTrainableCallsError", "TrainableGraph", "trainable"]
 
@@ -92,9 +100,27 @@ class TrainableGraph:
         self.langfuse = langfuse
         # What traces each rollout (``art_plugins._tracing``): Langfuse when ``langfuse`` turns it on.
         self._tracers: tuple[Tracer, ...] = langfuse_tracers(langfuse, model)
+        self._teacher: TeacherProxy | None = None  # set on the copy demonstrations() yields
 
     def __repr__(self) -> str:
         return f"TrainableGraph({type(self.graph).__name__}, model={self.model.name!r})"
+
+    def demonstrations(self, teacher: Teacher | str) -> AbstractAsyncContextManager[TrainableGraph]:
+        """Demonstration mode: ``async with agent.demonstrations(teacher) as demo:`` gives a ``TrainableGraph``
+        whose rollouts (``rollout``, ``group``, ``capture``, ``rollout_fn``) have the graph's calls to the
+        trainable model answered by ``teacher`` instead of the gateway, unchanged otherwise; each trajectory holds
+        the teacher's turns for ``model.train_sft`` (see ``art_plugins.demonstrations``).
+
+        Args:
+            teacher: a ``Teacher`` (an OpenAI-compatible server, or a litellm model), or a litellm model string.
+
+        Raises:
+            ConfigError: ``teacher`` is neither.
+            TeacherError: (from the rollouts) the teacher was unreachable or answered a call with an error.
+        """
+        from ._teacher_proxy import demonstrating
+
+        return demonstrating(self, teacher)
 
     def capture(self, *, rollout_id: str | None = None, seed: int | None = None) -> RolloutScope:
         """A scope (``with`` or ``async with``) in which the graph's trainable calls are captured.
@@ -108,7 +134,7 @@ class TrainableGraph:
     def _scope(self, *, rollout_id: str | None, seed: int | None, tracers: tuple[Tracer, ...] = (),
                input: Any = None) -> RolloutScope:
         return RolloutScope(self.model, model_names=self.model_names, framework="langgraph", caller=_current_node,
-                            rollout_id=rollout_id, seed=seed, tracers=tracers, input=input)
+                            rollout_id=rollout_id, seed=seed, tracers=tracers, input=input, teacher=self._teacher)
 
     async def rollout(self, input: Any, *, reward: RewardFn | None = None, config: dict[str, Any] | None = None,
                       method: Method = "astream", rollout_id: str | None = None, seed: int | None = None) -> Trajectory:

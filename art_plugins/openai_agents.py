@@ -56,7 +56,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import inspect
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from contextvars import Token
@@ -69,6 +68,7 @@ from art_core.errors import ConfigError, LifecycleError
 from ._langfuse_options import langfuse_tracers
 from ._rollout import NoTrainableCallsError, RewardFn, RolloutScope, gather_group, score
 from ._tracing import Tracer, rollout_tracers
+from .demonstrations import Teacher
 
 try:
     from agents import (
@@ -82,7 +82,6 @@ try:
         RunState,
         Session,
         StreamEvent,
-        ToolErrorFormatterArgs,
         TResponseInputItem,
     )
     from agents.run_config import DEFAULT_MAX_TURNS
@@ -103,6 +102,8 @@ from ._agents_sdk import (  # noqa: E402  (after the SDK's own import check abov
     _labelling,
     _last_agent,
     _no_label,
+    _noting,
+    _reporting,
     _stop_reason,
 )
 
@@ -159,9 +160,21 @@ class TrainableRunner:
         self.langfuse = langfuse
         # What traces each run (``art_plugins._tracing``): Langfuse when ``langfuse`` turns it on.
         self._tracers: tuple[Tracer, ...] = langfuse_tracers(langfuse, model)
+        self._teacher: Any = None  # the TeacherProxy, on the copy demonstrations() yields
 
     def __repr__(self) -> str:
         return f"TrainableRunner(model={self.model.name!r}, model_names={sorted(self.model_names)})"
+
+    def demonstrations(self, teacher: Teacher | str) -> contextlib.AbstractAsyncContextManager[TrainableRunner]:
+        """Demonstration mode: ``async with runner.demonstrations(teacher) as demo:`` gives a ``TrainableRunner``
+        whose runs (``run``, ``run_streamed``, ``group``, ``capture``, either API) have the trainable model's calls
+        answered by ``teacher`` instead of the gateway; each trajectory holds the teacher's turns for
+        ``model.train_sft`` (see ``art_plugins.demonstrations``). ``teacher``: a ``Teacher`` or a litellm model
+        string. A teacher that fails a call raises ``TeacherError`` from the run, quoting it.
+        """
+        from ._teacher_proxy import demonstrating
+
+        return demonstrating(self, teacher)
 
     def capture(self, *, rollout_id: str | None = None, agent: Agent[Any] | None = None,
                 run_config: RunConfig | dict[str, Any] | None = None, seed: int | None = None) -> AgentCapture:
@@ -330,7 +343,7 @@ class AgentCapture:
         self._runner = runner
         self.scope = RolloutScope(runner.model, model_names=runner.model_names, framework="openai-agents",
                                   caller=_calling_agent.get, rollout_id=rollout_id, redirect=redirect, seed=seed,
-                                  tracers=tracers, input=input)
+                                  tracers=tracers, input=input, teacher=runner._teacher)
         self.rollout_id = self.scope.rollout_id
         self.tool_errors: list[str] = []
         self._handled_stop: str | None = None
@@ -368,7 +381,7 @@ class AgentCapture:
         return dataclasses.replace(
             config, model_provider=provider,
             call_model_input_filter=_labelling(config.call_model_input_filter),
-            tool_error_formatter=self._reporting(config.tool_error_formatter),
+            tool_error_formatter=_reporting(config.tool_error_formatter, self.tool_errors),
             # A traced run needs the SDK's tracing on: tracers read the SDK's spans (OpenInference for Langfuse).
             tracing_disabled=config.tracing_disabled or not (runner.tracing or self.scope.traced),
         )
@@ -378,15 +391,20 @@ class AgentCapture:
         if not handlers:
             return handlers
         given = cast(dict[str, Callable[[Any], Any]], handlers)
-        return cast("RunErrorHandlers[Any]", {kind: self._noting(kind, handler) for kind, handler in given.items()})
+        noted = {kind: _noting(kind, handler, self._note_handled) for kind, handler in given.items()}
+        return cast("RunErrorHandlers[Any]", noted)
+
+    def _note_handled(self, kind: str) -> None:
+        """An ``error_handlers`` entry turned an error of ``kind`` into a final output: the run did stop early."""
+        self._handled_stop = _HANDLED_STOP_REASONS.get(kind, kind)
 
     def made_calls(self) -> bool:
-        """Whether the gateway recorded any call of this run (waited for in this thread; see ``fetch_made_calls``)."""
-        return bool(self._runner.model.rollout_records(self.rollout_id))
+        """Whether any call of this run was recorded (waited for in this thread; see ``fetch_made_calls``)."""
+        return self.scope.made_calls()
 
     async def fetch_made_calls(self) -> bool:
         """``made_calls``, without blocking the event loop."""
-        return bool(await self._runner.model.fetch_rollout_records(self.rollout_id))
+        return await self.scope.fetch_made_calls()
 
     async def fetch_trajectory(self, *, final_output: Any = None, last_agent: Agent[Any] | None = None,
                                error: BaseException | None = None, stop_reason: str | None = None) -> Trajectory:
@@ -446,31 +464,6 @@ class AgentCapture:
         providers, self._providers = self._providers, []
         for provider in providers:
             await provider.aclose()
-
-    def _reporting(self, user_formatter: Callable[[ToolErrorFormatterArgs[Any]], Any] | None
-                   ) -> Callable[[ToolErrorFormatterArgs[Any]], Awaitable[str | None]]:
-        async def report(args: ToolErrorFormatterArgs[Any]) -> str | None:
-            # The SDK shows the model only a generic message; the exception itself is what a person reading
-            # the trajectory needs. (It may hold sensitive data: it is stored with the trajectory.)
-            cause = f"{type(args.error).__name__}: {args.error}" if args.error is not None else args.default_message
-            agent = _calling_agent.get()
-            self.tool_errors.append(f"tool {args.tool_name!r} ({args.kind}, call {args.call_id}"
-                                    f"{f', agent {agent!r}' if agent else ''}): {cause}")
-            if user_formatter is None:
-                return None  # the SDK's default message
-            message = user_formatter(args)
-            return cast(str | None, await message if inspect.isawaitable(message) else message)
-        return report
-
-    def _noting(self, kind: str, handler: Callable[[Any], Any]) -> Callable[[Any], Awaitable[Any]]:
-        async def handle(data: Any) -> Any:
-            outcome = handler(data)
-            if inspect.isawaitable(outcome):
-                outcome = await outcome
-            if outcome is not None:  # handled: the run ends with this output, but it did stop early
-                self._handled_stop = _HANDLED_STOP_REASONS.get(kind, kind)
-            return outcome
-        return handle
 
 
 class StreamedRun:
@@ -571,9 +564,11 @@ class StreamedRun:
         except GeneratorExit:
             raise
         except BaseException as exc:
-            self._failure = exc
+            self._failure = self._capture.scope.explained(exc)  # a teacher's failure, in demonstration mode
             self._done.set()
             await self._capture._aclose()
+            if self._failure is not exc:
+                raise self._failure from exc
             raise
         await self._finish(error)
 

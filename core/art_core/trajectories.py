@@ -16,13 +16,13 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from .errors import TrajectoryError
 from .gateway.records import ExchangeRecord
 from .types import CallRecord, History, Message, Trajectory
 
-__all__ = ["trajectory_from_records"]
+__all__ = ["Conversation", "trajectory_from_conversations", "trajectory_from_records"]
 
 
 def trajectory_from_records(records: Sequence[ExchangeRecord], **fields: Any) -> Trajectory:
@@ -47,12 +47,46 @@ def trajectory_from_records(records: Sequence[ExchangeRecord], **fields: Any) ->
         if not record.messages:
             raise TrajectoryError(f"record {record.request_id} holds no conversation (written by an older gateway); "
                                   "re-run the rollout against this version")
-        last = _place(record, histories)
+        last = _place(record.messages, record.tools, record.reply, histories, branch=record.choice_index > 0,
+                      call=record.to_call_record())
     assert last is not None
     main = last.history()
     others = [h.history() for h in histories if h is not last]
     return Trajectory(messages=main.messages, tools=main.tools, calls=main.calls, additional_histories=others,
                       **fields)
+
+
+class Conversation(Protocol):
+    """One model call as a conversation: what was sent, and the reply (no token ids)."""
+
+    @property
+    def messages(self) -> list[dict[str, Any]]: ...  # the conversation sent, in chat format
+
+    @property
+    def tools(self) -> list[dict[str, Any]]: ...  # chat-format function-tool schemas offered
+
+    @property
+    def reply(self) -> dict[str, Any]: ...  # the assistant message answered
+
+
+def trajectory_from_conversations(calls: Sequence[Conversation], **fields: Any) -> Trajectory:
+    """One trajectory from calls that carry no token ids (a teacher's demonstrations), split into histories
+    exactly as ``trajectory_from_records`` splits a rollout's records; ``calls`` stays empty (the trainer
+    renders the messages with the student's chat template).
+
+    Raises:
+        TrajectoryError: ``calls`` is empty.
+    """
+    if not calls:
+        raise TrajectoryError("no calls to build a trajectory from: the run made no model call that was answered")
+    histories: list[_Open] = []
+    last = None
+    for call in calls:
+        last = _place(call.messages, call.tools, call.reply, histories, branch=False, call=None)
+    assert last is not None
+    main = last.history()
+    return Trajectory(messages=main.messages, tools=main.tools,
+                      additional_histories=[h.history() for h in histories if h is not last], **fields)
 
 
 @dataclass
@@ -69,21 +103,23 @@ class _Open:
         return History(messages=[Message.model_validate(m) for m in self.messages], tools=self.tools, calls=self.calls)
 
 
-def _place(record: ExchangeRecord, histories: list[_Open]) -> _Open:
-    """Append ``record`` to the latest history it continues, or open a new one; returns that history."""
-    keys = [_key(m) for m in record.messages]
-    tools_key = json.dumps(record.tools, sort_keys=True)
-    reply = record.reply or {"role": "assistant", "content": None}
+def _place(messages: list[dict[str, Any]], tools: list[dict[str, Any]], reply: dict[str, Any],
+           histories: list[_Open], *, branch: bool, call: CallRecord | None) -> _Open:
+    """Append a call (``messages`` sent, ``reply`` got) to the latest history it continues, or open a new one;
+    returns that history. ``branch``: a sibling sample of a prompt (choice_index > 0), never a continuation."""
+    keys = [_key(m) for m in messages]
+    tools_key = json.dumps(tools, sort_keys=True)
+    reply = reply or {"role": "assistant", "content": None}
     for history in reversed(histories):
-        # choice_index > 0 is a sibling sample of the same prompt: a branch, never a continuation.
-        if record.choice_index == 0 and history.tools_key == tools_key and keys[: len(history.keys)] == history.keys:
+        if not branch and history.tools_key == tools_key and keys[: len(history.keys)] == history.keys:
             break
     else:
-        history = _Open(messages=[], keys=[], tools=record.tools, tools_key=tools_key)
+        history = _Open(messages=[], keys=[], tools=tools, tools_key=tools_key)
         histories.append(history)
-    history.messages = [*record.messages, reply]
+    history.messages = [*messages, reply]
     history.keys = [*keys, _key(reply)]
-    history.calls.append(record.to_call_record())
+    if call is not None:
+        history.calls.append(call)
     return history
 
 

@@ -46,7 +46,7 @@ from .schemas import ChatCompletionRequest, FunctionDefinition, JsonSchemaFormat
 from .state import call_headers, request_scope, request_seed
 from .streaming import ClientGone, open_stream, sse, until_done
 
-__all__ = ["ResponseObject", "ResponsesRequest", "router"]
+__all__ = ["ResponseObject", "ResponsesRequest", "as_chat_request", "router"]
 
 logger = logging.getLogger(__name__)
 
@@ -260,15 +260,10 @@ async def create_response(request: Request) -> Response:
     """OpenAI's Responses API, served by the engine and recorded token-exactly."""
     state, rollout_id, caller = request_scope(request)  # plain calls, not Depends: see request_scope
     raw = await json_body(request)
-    _refuse_unsupported(raw)
-    body, items = _validate(raw)
+    body, chat, chat_tools = as_chat_request(raw)  # from here on the pipeline does the work
     if body.model_extra:
         logger.debug("ignoring unknown or unused request fields: %s", sorted(body.model_extra))
     check_served(state, model=body.model, max_tokens=body.max_output_tokens, param="max_output_tokens")
-    # --- the equivalent chat request; from here on the pipeline does the work ---
-    chat_tools = [{"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
-                  for tool in raw.get("tools") or []]
-    chat = _as_chat_request(body, _chat_messages(body.instructions, items), chat_tools)
     completion = Completion(state, completion_input(
         chat, raw, state.settings, endpoint="responses", request_id=new_request_id("resp_"), rollout_id=rollout_id,
         caller=caller, seed=request_seed(request), tools=chat_tools))
@@ -289,6 +284,22 @@ async def create_response(request: Request) -> Response:
                            answer.completion_tokens)
     return JSONResponse(_response_object(body, raw, completion, answer, output).model_dump(mode="json"),
                         headers=headers)
+
+
+def as_chat_request(raw: dict[str, Any]) -> tuple[ResponsesRequest, ChatCompletionRequest, list[dict[str, Any]]]:
+    """A Responses request body as the chat completions request that means the same (see the module docstring).
+
+    Returns:
+        The typed Responses request, its chat equivalent, and the chat-format tool schemas (for the record).
+
+    Raises:
+        APIError, RequestValidationError: what the gateway cannot serve, or a bad field (answered as a 400).
+    """
+    _refuse_unsupported(raw)
+    body, items = _validate(raw)
+    chat_tools = [{"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+                  for tool in raw.get("tools") or []]
+    return body, _as_chat_request(body, _chat_messages(body.instructions, items), chat_tools), chat_tools
 
 
 def _refuse_unsupported(raw: dict[str, Any]) -> None:
