@@ -11,7 +11,7 @@ Importing this package does not import torch: the training stack loads when a ba
 from typing import TYPE_CHECKING, Any
 
 from .backends import Backend, GatewayAccess, LocalBackend, ModelSpec, RayBackend, TrainResult, TransformersOptions, VLLMOptions
-from .config import LoraSettings, TrainConfig
+from .config import LoraSettings, SFTConfig, TrainConfig
 from .errors import (
     ArtError,
     BaseModelNotFoundError,
@@ -64,6 +64,7 @@ __all__ = [
     "RayBackend",
     "RemoteBackend",
     "RewardError",
+    "SFTConfig",
     "ServerError",
     "ServerUnavailableError",
     "ToolCall",

@@ -1,17 +1,18 @@
-"""The few knobs GRPO training needs, checked before any work starts.
+"""The few knobs a training step needs (GRPO's ``TrainConfig``, supervised fine-tuning's ``SFTConfig``), checked
+before any work starts.
 
 Unknown keys are an error (``extra="forbid"``), and every default says why on its line.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeAlias
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError
 
 from .errors import ConfigError
 
-__all__ = ["LoraSettings", "LossName", "TrainConfig"]
+__all__ = ["LoraSettings", "LossName", "SFTConfig", "StepConfig", "TrainConfig", "step_config"]
 
 LossName = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
 
@@ -54,6 +55,9 @@ class LoraSettings(_Config):
 class TrainConfig(_Config):
     """Settings of one GRPO step (``await model.train(groups, config=TrainConfig(...))``)."""
 
+    kind: Literal["grpo"] = "grpo"
+    """Names the step's kind on the wire and in ``history.jsonl`` (``SFTConfig`` says ``"sft"``)."""
+
     learning_rate: float = Field(5e-5, gt=0)
     """5e-5: LoRA wants about 10x the learning rate of full fine-tuning (1e-6..1e-5 for RL)."""
     loss: LossName = "dapo"
@@ -76,3 +80,51 @@ class TrainConfig(_Config):
     """Run each group's common prompt once (exact). False only to compare."""
     max_sequence_length: int = Field(8192, ge=16)
     """Longer samples are refused with an error naming the trajectory, rather than trained on cut."""
+
+
+class SFTConfig(_Config):
+    """Settings of one supervised fine-tuning step (``await model.train_sft(data, config=SFTConfig(...))``).
+
+    One SFT step is one call: ``epochs`` passes over the data in ``batch_size``-trajectory optimizer steps, the
+    learning rate following ``lr_schedule`` over those steps, then one checkpoint. The loss is the negative
+    log-likelihood of the assistant's tokens, averaged over the tokens of each optimizer step.
+    """
+
+    kind: Literal["sft"] = "sft"
+    """Names the step's kind on the wire and in ``history.jsonl``."""
+    learning_rate: float = Field(1e-4, gt=0)
+    """1e-4: the usual LoRA SFT rate (about 10x full fine-tuning's); the peak, before the schedule."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the data. 1: more overfits small demonstration sets quickly."""
+    batch_size: int = Field(8, ge=1)
+    """Trajectories per optimizer step (their tokens are averaged together). The last batch may be smaller."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "linear"
+    """linear: decay to zero over the call's optimizer steps (transformers' default), after the warmup."""
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)
+    """Share of the call's optimizer steps spent ramping the rate up from near zero. 0: a LoRA starts at no change."""
+    assistant_turns: Literal["all", "last"] = "all"
+    """Which assistant turns are trained: every one, or only each trajectory's last (its final call)."""
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    """Gradient clipping per optimizer step; None turns it off."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """0: as for GRPO, decay would pull the adapter back toward the base for no gain."""
+    micro_batch_tokens: int = Field(4096, ge=16)
+    """Most padded tokens in one forward pass: bounds memory whatever ``batch_size`` is."""
+    share_prefix: bool = True
+    """Run a batch's common prompt (system prompt, tool schemas) once, its cache reused (exact). False to compare."""
+    max_sequence_length: int = Field(8192, ge=16)
+    """Longer samples are refused with an error naming the trajectory, rather than trained on cut."""
+
+
+StepConfig: TypeAlias = Annotated[
+    Annotated[TrainConfig, Tag("grpo")] | Annotated[SFTConfig, Tag("sft")],
+    Discriminator(lambda v: (v.get("kind", "grpo") if isinstance(v, dict) else getattr(v, "kind", "grpo"))),
+]
+"""A step's settings as they cross the wire: ``kind`` picks the class (a body without one is GRPO's)."""
+
+_STEP_CONFIG: TypeAdapter[TrainConfig | SFTConfig] = TypeAdapter(StepConfig)
+
+
+def step_config(data: Any) -> TrainConfig | SFTConfig:
+    """A step's settings from plain data (``model_dump``'s dict): ``TrainConfig`` or ``SFTConfig`` by ``kind``."""
+    return _STEP_CONFIG.validate_python(data)

@@ -2,6 +2,7 @@
 
     model = TrainableModel(name="math-agent", base_model="smollm2-135m-instruct")
     await model.register(LocalBackend())          # loads the base + the latest checkpoint
+    await model.train_sft("demos.jsonl")             # optional warm start: one SFT step -> checkpoints/NNNN
     await model.train(groups, config=TrainConfig())  # one GRPO step -> checkpoints/NNNN
     model.step                                    # completed steps
 """
@@ -19,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
-from .config import LoraSettings, TrainConfig
+from .config import LoraSettings, SFTConfig, TrainConfig
 from .errors import ConfigError, LifecycleError
 from .types import CallRecord, Trajectory, TrajectoryGroup
 
@@ -52,7 +53,7 @@ def _check_name(kind: str, value: str) -> str:
 
 
 class TrainableModel:
-    """A base model plus a LoRA adapter trained with GRPO.
+    """A base model plus a LoRA adapter trained with GRPO (``train``), and supervised fine-tuning (``train_sft``).
 
     Args:
         name: the model's name; also its folder under ``<root>/<project>/models/``.
@@ -178,7 +179,42 @@ class TrainableModel:
         groups = list(groups)
         if not groups:
             raise ConfigError("train() got no group: gather at least one TrajectoryGroup first")
-        config = config or TrainConfig()
+        return await self._step(groups, config or TrainConfig())
+
+    async def train_sft(self, data: str | Path | Sequence[Trajectory] | Sequence[TrajectoryGroup], *,
+                        config: SFTConfig | None = None) -> dict[str, float]:
+        """Run one supervised fine-tuning step on ``data`` and serve the new checkpoint.
+
+        The step is ``config.epochs`` passes over the trajectories, one optimizer step per ``config.batch_size``
+        of them, and writes one checkpoint: the same step counter, checkpoints and ``history.jsonl`` as ``train``
+        (its row says ``kind: "sft"``), so GRPO steps resume on the adapter it wrote. Every trajectory is trained
+        on, whatever its reward; the loss is the NLL of the assistant's tokens only (all turns, or each
+        trajectory's last: ``config.assistant_turns``). Trajectories with call records are trained token-exact;
+        those without (a chat file, demonstrations) are rendered with the base model's chat template and counted
+        in ``samples_rerendered``. The data is written to ``trajectories/NNNN.jsonl`` first, as one group per
+        given group (trajectories and files: one group).
+
+        Args:
+            data: a JSONL file of OpenAI-format chats (``art_core.sft.read_chat_file``: checked whole before any
+                work), trajectories (``select_for_sft`` picks them from scored groups), or groups.
+            config: the SFT settings; default ``SFTConfig()``.
+
+        Returns:
+            The step's metrics (``loss``: mean of its optimizer steps' losses, ``loss_first``, ``loss_last``...).
+
+        Raises:
+            ChatFileError: the file has malformed lines (each named with its line number); nothing was trained.
+            ConfigError: ``data`` is empty or not one of the accepted kinds, or ``config`` is not an ``SFTConfig``.
+            TrajectoryError: a trajectory has nothing to train on or is longer than ``max_sequence_length``.
+        """
+        config = config or SFTConfig()
+        if not isinstance(config, SFTConfig):
+            raise ConfigError(f"train_sft() takes an SFTConfig, not {type(config).__name__}: GRPO settings go to "
+                              "model.train(groups, config=TrainConfig(...))")
+        return await self._step(_sft_groups(data), config)
+
+    async def _step(self, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig) -> dict[str, float]:
+        """One step of either kind through the backend, then the step hooks and the trackers."""
         started = time.perf_counter()
         result = await self.backend.train(self.spec, groups, config)
         self._step = result.step
@@ -212,7 +248,7 @@ class TrainableModel:
 
         return resolve_trackers(report_to)
 
-    async def _report(self, groups: list[TrajectoryGroup], metrics: dict[str, Any], config: TrainConfig,
+    async def _report(self, groups: list[TrajectoryGroup], metrics: dict[str, Any], config: TrainConfig | SFTConfig,
                       seconds: dict[str, float]) -> None:
         """Send the step's report in the background: the trackers' I/O (an MLflow server, W&B's service) then
         overlaps the next rollouts instead of adding to the step. One report in flight at a time, in order:
@@ -338,6 +374,23 @@ class TrainableModel:
     async def history(self) -> list[dict[str, Any]]:
         """The rows of ``history.jsonl``: one per ``train`` call, with its metrics."""
         return await self.backend.history(self.spec)
+
+
+def _sft_groups(data: str | Path | Sequence[Trajectory] | Sequence[TrajectoryGroup]) -> list[TrajectoryGroup]:
+    """``train_sft``'s data as groups: a chat file read and checked, trajectories wrapped in one group."""
+    if isinstance(data, str | Path):
+        from .sft import read_chat_file
+
+        return [TrajectoryGroup(read_chat_file(data))]
+    items = list(data)
+    if not items:
+        raise ConfigError("train_sft() got no data: pass a chat file, trajectories or groups")
+    if all(isinstance(item, TrajectoryGroup) for item in items):
+        return items  # type: ignore[return-value]
+    if all(isinstance(item, Trajectory) for item in items):
+        return [TrajectoryGroup(items)]  # type: ignore[arg-type]
+    kinds = sorted({type(item).__name__ for item in items})
+    raise ConfigError(f"train_sft() takes a chat file path, trajectories or groups, not a list of {', '.join(kinds)}")
 
 
 def _wait_for(start: Callable[[], Coroutine[Any, Any, T]]) -> T:

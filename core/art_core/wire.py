@@ -38,7 +38,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import errors
-from .config import TrainConfig
+from .config import StepConfig, TrainConfig
 from .types import TrajectoryGroup
 
 __all__ = ["ADAPTER_STEP_HEADER", "API_PREFIX", "CALLER_HEADER", "COMPLETION_TOKENS_HEADER", "PROMPT_TOKENS_HEADER",
@@ -129,7 +129,9 @@ class TrainRequest(_Body):
     train_id: str = Field(pattern=TRAIN_ID_PATTERN.pattern)
     """Chosen by the client (``train_id_for`` by default: a digest of the groups and config)."""
     groups: list[TrajectoryGroup] = Field(min_length=1)
-    config: TrainConfig = Field(default_factory=TrainConfig)
+    config: StepConfig = Field(default_factory=TrainConfig)
+    """``TrainConfig`` (a GRPO step) or ``SFTConfig`` (a supervised step), told apart by ``kind``; a config
+    without ``kind`` is GRPO's."""
 
 
 class SampleRequest(_Body):

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..config import TrainConfig
+from ..config import SFTConfig, TrainConfig
 from ..engines.base import EngineOutput, SamplingParams
 from ..errors import LifecycleError
 from ..messages import template_messages
@@ -100,7 +100,7 @@ class ServesModels:
 
     # -- training and sampling -------------------------------------------------------------------------
 
-    async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig, *,
+    async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig | SFTConfig, *,
                     progress: Progress | None = None) -> TrainResult:
         """The contract's ``train`` (see ``_steps``). ``progress(done, total)``, when given, is called as
         micro-batches finish (``art-core serve`` streams it to its client)."""

@@ -12,7 +12,9 @@ trainer group) and ``publish`` (make its engine(s) serve a checkpoint). Everythi
 2. pause (the ``pause_during_step`` policy, on by default): the gateway stops admitting requests (they wait,
    they do not fail), in-flight ones finish, and the engine pauses;
 3. train, then ``checkpoints/NNNN`` is written atomically (nothing when every group was dropped);
-4. publish the checkpoint, then append the step's row to ``history.jsonl`` (``kind: "grpo"``);
+4. publish the checkpoint, then append the step's row to ``history.jsonl`` (``kind``: ``"grpo"``, or ``"sft"`` for a
+   supervised step: the two kinds share the step counter and the checkpoints, so SFT step N is followed by GRPO
+   step N+1 on the same adapter);
 5. resume: the gateway checks the engine serves the new step, then releases the held requests.
 
 If publishing fails (the adapter does not load, an engine process died), the trajectories and checkpoint stay
@@ -43,13 +45,11 @@ from ._shared import append_history, trajectories_path
 from .base import Progress, TrainResult
 
 if TYPE_CHECKING:
-    from ..config import TrainConfig
+    from ..config import SFTConfig, TrainConfig
     from ..engines.base import Engine
 
 __all__ = ["EngineHold", "Hold", "StepOutcome", "StepRunner", "StepWork", "Trained", "warn_at_caller"]
 
-STEP_KIND = "grpo"
-"""``history.jsonl``'s ``kind`` for a GRPO step (supervised steps will write another kind on the same path)."""
 
 
 @dataclass
@@ -77,9 +77,10 @@ class StepOutcome:
 class StepWork(Protocol):
     """What a backend supplies for one model's steps."""
 
-    async def train(self, groups: list[TrajectoryGroup], config: TrainConfig, *, step: int,
+    async def train(self, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig, *, step: int,
                     progress: Progress | None, **options: Any) -> Trained:
-        """Run one step on ``groups`` (already on disk) as step ``step``; don't write the checkpoint."""
+        """Run one step (GRPO or SFT, by ``config``) on ``groups`` (already on disk) as step ``step``; don't write
+        the checkpoint."""
         ...
 
     async def publish(self, checkpoint: Path, step: int) -> None:
@@ -158,7 +159,8 @@ class StepRunner:
         self._idle = asyncio.Event()  # set while no step runs (with the pause policy): ``serving`` waits for it
         self._idle.set()
 
-    async def run(self, groups: Sequence[TrajectoryGroup], config: TrainConfig, progress: Progress | None = None,
+    async def run(self, groups: Sequence[TrajectoryGroup], config: TrainConfig | SFTConfig,
+                  progress: Progress | None = None,
                   **options: Any) -> StepOutcome:
         """One step on ``groups``; a call made while another step runs waits for it (``options`` go to
         ``StepWork.train``).
@@ -198,7 +200,7 @@ class StepRunner:
         async with self.hold.admitted():
             yield
 
-    async def _step(self, groups: list[TrajectoryGroup], config: TrainConfig, progress: Progress | None,
+    async def _step(self, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig, progress: Progress | None,
                     options: dict[str, Any]) -> StepOutcome:
         from ..training.checkpoints import write_checkpoint
 
@@ -217,7 +219,7 @@ class StepRunner:
             metrics = dict(trained.metrics)
             if trained.save is not None:
                 checkpoint = await HELPERS.run(write_checkpoint, self.model_dir, next_step, trained.save,
-                                               metadata={"loss": config.loss, "reward_mean": metrics["reward_mean"]})
+                                               metadata=_checkpoint_metadata(config, metrics))
                 self.step = next_step
         except BaseException:
             if self.error is None and self.hold.state == "paused":  # nothing changed: serve on as before
@@ -235,7 +237,7 @@ class StepRunner:
                 failure = exc
                 metrics["adapter_load_error"] = str(exc)
             metrics["seconds_adapter_load"] = time.perf_counter() - started
-        append_history(self.model_dir, {"step": self.step, "time": time.time(), "kind": STEP_KIND, **metrics,
+        append_history(self.model_dir, {"step": self.step, "time": time.time(), "kind": config.kind, **metrics,
                                         **trace_links(groups)})
         if failure is not None:
             self.error = failure
@@ -255,6 +257,13 @@ class StepRunner:
                 raise
         self.error = None
         return StepOutcome(TrainResult(metrics=metrics, step=self.step), trained.extra)
+
+
+def _checkpoint_metadata(config: TrainConfig | SFTConfig, metrics: dict[str, Any]) -> dict[str, Any]:
+    """What ``checkpoint.json`` says of the step that wrote it: its kind, and its loss (GRPO: the loss's name)."""
+    if config.kind == "sft":
+        return {"kind": "sft", "loss": "sft", "sft_loss": metrics["loss"], "reward_mean": metrics["reward_mean"]}
+    return {"kind": "grpo", "loss": config.loss, "reward_mean": metrics["reward_mean"]}
 
 
 def _warn_dropped_groups(groups: list[TrajectoryGroup], metrics: dict[str, Any]) -> None:

@@ -8,7 +8,8 @@ and what ``TrainableModel`` needs from the place it is trained (``Backend``, whi
 
     GatewayAccess    base_url, api_key, rollout_base_url           where an agent's calls go
                      async rollout_records, async rollout_status   what the gateway recorded (may be HTTP: async)
-    Backend          + register, train, sample, model_dir,          the training side
+    Backend          + register, train (GRPO or SFT), sample,       the training side
+                       model_dir,
                        checkpoints, delete_checkpoints, history, aclose
 
 A backend keys everything by the model's ``(project, name)``; it receives ``model.spec``, a ``ModelSpec``
@@ -16,7 +17,9 @@ A backend keys everything by the model's ``(project, name)``; it receives ``mode
 Users do not call these methods: ``TrainableModel`` does (``model.register(backend)``, ``model.train``...).
 
 Step semantics every backend keeps (``backends/_steps.py`` is the one implementation the in-process ones share):
-one step at a time per model (a second ``train`` waits for the first, it does not fail); the groups are on
+one step at a time per model (a second ``train`` waits for the first, it does not fail); a step is GRPO's
+(``TrainConfig``) or supervised fine-tuning's (``SFTConfig``), and both kinds share the step counter, the
+checkpoints and ``history.jsonl`` (its ``kind`` says which), so RL resumes on the adapter SFT wrote; the groups are on
 disk before the step starts; a checkpoint the engine cannot serve leaves the gateway paused and ``train``
 raising the engine's error (``sample`` raises it too) until a later step succeeds; ``sample`` waits while a
 step runs and answers with the checkpoint it wrote.
@@ -34,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
-from ..config import LoraSettings, TrainConfig
+from ..config import LoraSettings, SFTConfig, TrainConfig
 from ..types import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -136,11 +139,15 @@ class Backend(GatewayAccess, Protocol):
         """
         ...
 
-    async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig, *,
+    async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig | SFTConfig, *,
                     progress: Progress | None = None) -> TrainResult:
-        """Persist ``groups``, run one GRPO step, write the checkpoint, and serve it before returning.
+        """Persist ``groups``, run one step, write the checkpoint, and serve it before returning.
 
         Args:
+            config: ``TrainConfig``: one GRPO step. ``SFTConfig``: one supervised fine-tuning step (``epochs``
+                passes in ``batch_size`` optimizer steps, one checkpoint at the end); every trajectory is
+                trained on, whatever its reward. A remote backend sends either over the wire (``kind`` tells
+                them apart).
             progress: called as the step advances (see ``Progress``); None: the backend's own display, if any.
         """
         ...
@@ -164,7 +171,7 @@ class Backend(GatewayAccess, Protocol):
         ...
 
     async def history(self, model: ModelSpec) -> list[dict[str, Any]]:
-        """The rows of ``history.jsonl``: one per train call, with its metrics and ``kind`` (``"grpo"``)."""
+        """The rows of ``history.jsonl``: one per train call, with its metrics and ``kind`` (``"grpo"``, ``"sft"``)."""
         ...
 
     async def aclose(self) -> None:

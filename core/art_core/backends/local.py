@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._ownership import torch_threads
 from .._threads import TRAINING
-from ..config import TrainConfig
+from ..config import SFTConfig, TrainConfig
 from ..errors import ConfigError
 from ..types import TrajectoryGroup
 from ._engines import EngineContext, Serving, TransformersOptions, VLLMOptions, inference_choice
@@ -62,7 +62,7 @@ class _LocalSteps:
     trainer: GRPOTrainer
     serving: Serving
 
-    async def train(self, groups: list[TrajectoryGroup], config: TrainConfig, *, step: int,
+    async def train(self, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig, *, step: int,
                     progress: Progress | None, **options: Any) -> Trained:
         # A worker thread of the library's own: the loop keeps serving I/O while the step runs.
         with _trainer_warnings_silenced():
@@ -70,7 +70,7 @@ class _LocalSteps:
                                          lambda: self._train_sync(groups, config, step, progress))
         return Trained(metrics, self.trainer.save if metrics.get("trained") else None)
 
-    def _train_sync(self, groups: list[TrajectoryGroup], config: TrainConfig, step: int,
+    def _train_sync(self, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig, step: int,
                     report: Progress | None) -> dict[str, Any]:
         with progress_bar(f"training step {step}", enabled=self.backend.show_progress and report is None) as bar:
             return dict(self.trainer.train_step(groups, config, progress=report or bar))

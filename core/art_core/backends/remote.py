@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import TypeAdapter
 
-from ..config import TrainConfig
+from ..config import SFTConfig, TrainConfig
 from ..errors import ConfigError, ModelNotRegisteredError, ServerError, ServerUnavailableError
 from ..wire import (
     API_PREFIX,
@@ -147,9 +147,9 @@ class RemoteBackend:
         """The model's folder on the server's disk (not on this machine)."""
         return Path(self._registered(model).model_dir)
 
-    async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig, *,
+    async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig | SFTConfig, *,
                     progress: Progress | None = None, train_id: str | None = None) -> TrainResult:
-        """The contract's ``train``, on the server. ``progress(done, total)``, when given, gets the server's
+        """The contract's ``train`` (GRPO or SFT: the config's ``kind`` goes with it), on the server. ``progress(done, total)``, when given, gets the server's
         progress events in place of the progress bar. ``train_id`` (default: a digest of the groups and config)
         makes it idempotent: the same id trains once, however often it is sent."""
         registered = self._registered(model)

@@ -10,8 +10,8 @@ The step's loop is the same whatever is learned: records -> samples -> micro-bat
   micro-batch losses of one step add up to the step's loss).
 
 ``GRPOObjective`` (the group-relative policy losses of ``losses.py``, with their clipping, truncated importance
-sampling and KL penalty) is the first one. Supervised fine-tuning (the NLL of the assistant's tokens, every
-trajectory kept with weight 1) is meant to be a second one through the same loop.
+sampling and KL penalty) is the first one. ``SFTObjective`` (supervised fine-tuning: the negative log-likelihood
+of the assistant's tokens, every trajectory kept with weight 1) is the second, through the same loop.
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ from typing import Protocol, runtime_checkable
 from ..config import TrainConfig
 from ..types import TrajectoryGroup
 from .advantages import AdvantageScale, compute_group_advantages
+import torch
+
 from .losses import Loss, LossInputs, LossOutput, build_loss
 
-__all__ = ["GRPOObjective", "Objective", "Weights"]
+__all__ = ["GRPOObjective", "Objective", "SFTObjective", "Weights"]
 
 
 @dataclass(frozen=True)
@@ -99,3 +101,28 @@ class GRPOObjective:
 
     def __call__(self, inputs: LossInputs) -> LossOutput:
         return self.loss(inputs)
+
+
+@dataclass(frozen=True)
+class SFTObjective:
+    """Supervised fine-tuning: the negative log-likelihood of the trained (assistant) tokens.
+
+    Every trajectory weighs 1 and no group is dropped (rewards are ignored: the data is taken as good). The loss
+    of a micro-batch is ``-sum(mask * log pi) / num_tokens``, where ``num_tokens`` counts the trained tokens of
+    the whole optimizer step, so the micro-batch losses add up to the step's token-mean NLL (the cross-entropy
+    a causal-LM trainer reports, over the assistant tokens only).
+    """
+
+    name: str = "sft"
+    reference: bool = False
+
+    def weigh(self, groups: Sequence[TrajectoryGroup]) -> Weights:
+        return Weights(per_group=[[1.0] * len(g.trajectories) for g in groups], dropped=[])
+
+    def __call__(self, inputs: LossInputs) -> LossOutput:
+        keep = inputs.mask > 0  # [B, T]
+        # where, not a product: masked positions may hold NaN (padding), and NaN * 0 is NaN
+        logprobs = torch.where(keep, inputs.logprobs, torch.zeros_like(inputs.logprobs))  # [B, T]
+        nll_sum = -logprobs.sum()
+        loss = nll_sum / max(inputs.num_tokens, 1)
+        return LossOutput(loss=loss, stats={"tokens": keep.sum().float(), "nll_sum": nll_sum.detach()})

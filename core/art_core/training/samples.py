@@ -12,13 +12,15 @@ Two paths:
   counted in the step's metrics.
 
 Either way the mask covers exactly the tokens the model produced (assistant text and tool calls, up to and
-including its end-of-turn token), never system, user or tool tokens.
+including its end-of-turn token), never system, user or tool tokens. An assistant message carrying OpenAI's
+fine-tuning ``"weight": 0`` stays as context and is not trained. ``assistant_turns="last"`` (supervised
+fine-tuning) trains only a trajectory's last turn: its last call, or its last assistant message.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ..errors import TrajectoryError
 from ..messages import template_messages
@@ -85,13 +87,17 @@ class Sample:
         return sum(self.trained)
 
 
-def trajectory_samples(trajectory: Trajectory, tokenizer: Any | None = None) -> list[Sample]:
+def trajectory_samples(trajectory: Trajectory, tokenizer: Any | None = None, *,
+                       assistant_turns: Literal["all", "last"] = "all") -> list[Sample]:
     """Build the training samples of one trajectory (all of its histories).
 
     Args:
         trajectory: the run to learn from.
         tokenizer: a Hugging Face tokenizer with a chat template; needed only for histories
             recorded without token ids (the re-rendered fallback).
+        assistant_turns: ``"all"`` trains every assistant turn of every history; ``"last"`` only the last turn
+            of the main history (its last call, with that call's whole prompt as context; or its last trained
+            assistant message), and no additional history.
 
     Returns:
         One sample per merged run of calls, for each history.
@@ -102,11 +108,12 @@ def trajectory_samples(trajectory: Trajectory, tokenizer: Any | None = None) -> 
             trajectory.
     """
     samples: list[Sample] = []
-    for history in trajectory.histories():
+    last = assistant_turns == "last"
+    for history in trajectory.histories()[:1] if last else trajectory.histories():
         if history.calls:
-            samples.extend(_samples_from_calls(trajectory.id, history.calls))
-        elif any(m.role == "assistant" for m in history.messages):
-            samples.extend(_samples_by_rerendering(trajectory.id, history, tokenizer))
+            samples.extend(_samples_from_calls(trajectory.id, history.calls[-1:] if last else history.calls))
+        elif turns := _trained_turns(history, last):
+            samples.extend(_samples_by_rerendering(trajectory.id, history, tokenizer, turns))
     if not samples:
         raise TrajectoryError(
             f"trajectory {trajectory.id!r} has no assistant turn and no recorded call: nothing to train on. "
@@ -170,7 +177,16 @@ def _oldest(steps: list[int]) -> int | None:
     return min(steps) if steps else None
 
 
-def _samples_by_rerendering(trajectory_id: str, history: History, tokenizer: Any | None) -> list[Sample]:
+def _trained_turns(history: History, last: bool) -> list[int]:
+    """The indices of the assistant messages to train on: all but those weighted 0 (OpenAI's fine-tuning
+    ``"weight": 0``: context only), or only the last of them."""
+    turns = [k for k, m in enumerate(history.messages)
+             if m.role == "assistant" and (m.model_extra or {}).get("weight", 1) != 0]
+    return turns[-1:] if last else turns
+
+
+def _samples_by_rerendering(trajectory_id: str, history: History, tokenizer: Any | None,
+                            turns: list[int]) -> list[Sample]:
     if tokenizer is None:
         raise TrajectoryError(
             f"trajectory {trajectory_id!r} has no token-exact call records, and no tokenizer was given to "
@@ -192,9 +208,7 @@ def _samples_by_rerendering(trajectory_id: str, history: History, tokenizer: Any
     # Group assistant turns into texts that extend each other (a prefix-stable template gives one text
     # for the whole history); record the character span of each assistant turn.
     texts: list[tuple[str, list[tuple[int, int]]]] = []
-    for k, message in enumerate(history.messages):
-        if message.role != "assistant":
-            continue
+    for k in turns:
         before = render(k, generation_prompt=True)
         upto = render(k + 1, generation_prompt=False)
         if not upto.startswith(before):

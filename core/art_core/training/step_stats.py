@@ -13,7 +13,7 @@ import torch
 
 from .samples import Sample
 
-__all__ = ["StepStats", "step_metrics"]
+__all__ = ["StepStats", "sft_metrics", "step_metrics"]
 
 
 class StepStats:
@@ -98,4 +98,34 @@ def step_metrics(totals: dict[str, Any], samples: list[Sample], *, num_sequences
         else math.nan,
         "sampler_logprob_max_abs_diff": totals["sampler_max"] if totals["sampler_tokens"] else math.nan,
         "grad_norm": totals["grad_norm"],
+    }
+
+
+def sft_metrics(step_totals: list[dict[str, Any]], samples: list[Sample], *, rates: list[float], epochs: int,
+                num_sequences: int, num_tokens: int, forward_tokens: int, micro_batches: int) -> dict[str, float]:
+    """The metrics of a supervised step: its optimizer steps' ``StepStats.read`` totals, one per step.
+
+    ``loss`` is the mean of the optimizer steps' losses (each the token-mean NLL of the assistant tokens of its
+    batch); ``loss_first`` and ``loss_last`` bracket the pass. ``samples`` and ``trained_tokens`` count one
+    epoch; ``forward_tokens`` and ``micro_batches`` every epoch.
+    """
+    losses = [math.fsum(t["losses"]) for t in step_totals]
+    norms = [t["grad_norm"] for t in step_totals]
+    return {
+        "trained": 1.0,
+        "loss": math.fsum(losses) / len(losses),
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "optimizer_steps": float(len(losses)),
+        "epochs": float(epochs),
+        "samples": float(num_sequences),
+        "samples_rerendered": float(sum(s.rerendered for s in samples)),
+        "trained_tokens": float(num_tokens),
+        "forward_tokens": float(forward_tokens),
+        "micro_batches": float(micro_batches),
+        "entropy": math.fsum(t["entropy"] for t in step_totals) / max(num_tokens * epochs, 1),
+        "grad_norm": norms[-1],
+        "grad_norm_max": max(norms),
+        "learning_rate": max(rates),
+        "learning_rate_last": rates[-1],
     }

@@ -9,6 +9,10 @@ Each sample may carry the log-probs of the policy that sampled it (``Sample.beha
 importance ratio then corrects for the policy's lag exactly (off-policy data); without them the trainer's own
 detached log-probs stand in (on-policy, ratio 1 in value).
 
+Supervised fine-tuning goes through the same phases (``train_step`` with an ``SFTConfig``): every trajectory
+weighs 1 (``SFTObjective``), and the step is several optimizer steps, ``epochs`` passes over ``batch_size``-
+trajectory batches, each accumulated and applied as a GRPO step is, at the rate of a schedule over them.
+
 The orchestration around a step (writing trajectories before it, checkpoints and history after it) lives in
 the backends. When an in-process engine decodes this very module, the step holds it (``_ownership.py``).
 """
@@ -26,17 +30,18 @@ from typing import Any
 import torch
 
 from .._ownership import module_ownership
-from ..config import TrainConfig
+from ..config import SFTConfig, TrainConfig
 from ..errors import TrainingError, TrajectoryError
-from ..types import TrajectoryGroup
+from ..types import Trajectory, TrajectoryGroup
 from .batching import MicroBatch, PrefixGroup, plan_micro_batches
 from .distributed import StepSync
 from .forward import SharedPrefix, micro_batch_logprobs
 from .loading import load_policy  # re-exported: its home before training/loading.py
 from .losses import LossInputs
-from .objectives import GRPOObjective, Objective, Weights
+from .objectives import GRPOObjective, Objective, SFTObjective, Weights
 from .samples import Sample, attribute_behaviour, trajectory_samples
-from .step_stats import StepStats, step_metrics
+from .schedules import learning_rates
+from .step_stats import StepStats, sft_metrics, step_metrics
 
 __all__ = ["GRPOTrainer", "ZeroVarianceGroupsWarning", "check_config", "load_policy"]
 
@@ -48,13 +53,15 @@ class ZeroVarianceGroupsWarning(UserWarning):
     """Some groups had equal rewards for every trajectory: they carry no signal and were dropped."""
 
 
-def check_config(config: TrainConfig) -> None:
+def check_config(config: TrainConfig | SFTConfig) -> None:
     """Check what ``TrainConfig`` cannot check by itself (the loss and its ``loss_options``), before any work.
+    An ``SFTConfig`` checks itself.
 
     Raises:
         ConfigError: the loss refuses an option or a value (the message names it and lists the accepted ones).
     """
-    GRPOObjective.from_config(config)
+    if isinstance(config, TrainConfig):
+        GRPOObjective.from_config(config)
 
 
 @dataclass
@@ -96,21 +103,25 @@ class GRPOTrainer:
 
     # -- the step -------------------------------------------------------------------------------------
 
-    def train_step(self, groups: Sequence[TrajectoryGroup], config: TrainConfig, *,
+    def train_step(self, groups: Sequence[TrajectoryGroup], config: TrainConfig | SFTConfig, *,
                    progress: Progress | None = None, sync: StepSync | None = None,
-                   objective: Objective | None = None, policy_step: int | None = None) -> StepMetrics:
-        """Run one optimizer step on ``groups``.
+                   objective: Objective | None = None, policy_step: int | None = None,
+                   shard: tuple[int, int] | None = None) -> StepMetrics:
+        """Run one step on ``groups``: one GRPO optimizer step, or, with an ``SFTConfig``, a supervised
+        fine-tuning pass (``_train_sft``: several optimizer steps).
 
         Args:
-            groups: the step's groups (with ``sync``: this rank's share of them).
-            config: learning rate, loss and batching settings.
+            groups: the step's groups (GRPO with ``sync``: this rank's share of them; SFT: all of them).
+            config: learning rate, loss and batching settings; an ``SFTConfig`` makes it a supervised step.
             progress: called with (micro-batches done, total) after each one.
             sync: when several ranks share the step (``training/distributed.py``): sums the sequence and
                 token counts and the gradients over the ranks. Default: None (this process alone).
             objective: what the step optimises. Default: ``GRPOObjective.from_config(config)``.
             policy_step: the adapter step the module is at. Samples an older adapter sampled (their records'
                 ``adapter_step``) are then off-policy, and their sampler's log-probs are their behaviour log-probs
-                (``samples.attribute_behaviour``). Default: None, every sample counts as on-policy.
+                (``samples.attribute_behaviour``). Default: None, every sample counts as on-policy. Not used by SFT.
+            shard: SFT with ``sync`` only: ``(rank, ranks)``; this rank trains its part of every batch (the
+                ranks must run the same optimizer steps, so each gets all groups and takes a slice of each batch).
 
         Returns:
             The step's metrics. ``trained`` is 0.0 when every group was dropped (no update was made).
@@ -120,6 +131,8 @@ class GRPOTrainer:
             TrainingError: the loss or gradient was not finite; the step was not applied. Or an in-process
                 engine decodes this module and is not paused (``_ownership.py``); nothing was changed.
         """
+        if isinstance(config, SFTConfig):
+            return self._train_sft(groups, config, objective or SFTObjective(), progress, sync, shard)
         t_start = time.perf_counter()
         objective = objective or GRPOObjective.from_config(config)
         with module_ownership(self.model).training():  # an engine sharing the module is paused until we are done
@@ -158,11 +171,7 @@ class GRPOTrainer:
             samples = []
             for trajectory, weight in zip(group.trajectories, group_weights):
                 for sample in trajectory_samples(trajectory, self.tokenizer):
-                    if len(sample.token_ids) > config.max_sequence_length:
-                        raise TrajectoryError(
-                            f"trajectory {trajectory.id!r} (group {gi}) has a sample of {len(sample.token_ids)} "
-                            f"tokens, over max_sequence_length={config.max_sequence_length}; raise the limit "
-                            "or shorten the rollout")
+                    _check_length(sample, trajectory, f"group {gi}", config)
                     sample.advantage, sample.group_index = weight, gi
                     samples.append(sample)
             if policy_step is not None:
@@ -170,7 +179,8 @@ class GRPOTrainer:
             sample_groups.append(samples)
         return sample_groups
 
-    def _plan(self, sample_groups: list[list[Sample]], config: TrainConfig, sync: StepSync | None) -> _Work:
+    def _plan(self, sample_groups: list[list[Sample]], config: TrainConfig | SFTConfig,
+              sync: StepSync | None) -> _Work:
         """Count the step's sequences and tokens (over every rank) and plan its micro-batches."""
         samples = [s for g in sample_groups for s in g]
         num_sequences, num_tokens = len(samples), sum(s.num_trained for s in samples)
@@ -234,8 +244,10 @@ class GRPOTrainer:
         result.loss.backward()  # a non-finite loss is caught at the step's sync, before the update
         stats.add(result.loss, result.stats, out.entropy, mask, out.logprobs, sampler)
 
-    def _apply(self, stats: StepStats, config: TrainConfig, objective: Objective) -> dict[str, Any]:
-        """Clip the gradient and take the optimizer step, once the step's numbers are known to be finite.
+    def _apply(self, stats: StepStats, config: TrainConfig | SFTConfig, objective: Objective,
+               learning_rate: float | None = None) -> dict[str, Any]:
+        """Clip the gradient and take the optimizer step (at ``learning_rate``, default the config's), once the
+        step's numbers are known to be finite.
 
         Returns:
             ``StepStats.read``'s totals.
@@ -244,7 +256,7 @@ class GRPOTrainer:
             TrainingError: the loss or the gradient norm is not finite; the step was not applied.
         """
         try:
-            optimizer = self._optimizer(config)
+            optimizer = self._optimizer(config, config.learning_rate if learning_rate is None else learning_rate)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, config.max_grad_norm or math.inf)
             totals = stats.read(grad_norm)  # --- the step's one device sync: every running sum read at once ---
             bad = next((i for i, value in enumerate(totals["losses"]) if not math.isfinite(value)), None)
@@ -260,6 +272,57 @@ class GRPOTrainer:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return totals
+
+    # -- supervised fine-tuning: the same phases, several optimizer steps ----------------------------------
+
+    def _train_sft(self, groups: Sequence[TrajectoryGroup], config: SFTConfig, objective: Objective,
+                   progress: Progress | None, sync: StepSync | None, shard: tuple[int, int] | None) -> StepMetrics:
+        """``config.epochs`` passes over the groups' trajectories (in order), one optimizer step per
+        ``config.batch_size`` of them, the learning rate following ``config.lr_schedule`` over those steps."""
+        t_start = time.perf_counter()
+        with module_ownership(self.model).training():
+            # 1. weights: every trajectory counts, once (SFT reads no reward and drops nothing)
+            _weigh(groups, objective)
+            trajectories = [t for g in groups for t in g.trajectories]
+            batches = [trajectories[i:i + config.batch_size] for i in range(0, len(trajectories), config.batch_size)]
+            if shard is not None:  # this rank's part of each batch: every rank takes every optimizer step
+                rank, ranks = shard
+                batches = [batch[rank::ranks] for batch in batches]
+            # 2. samples: token-exact from the records, re-rendered otherwise; planned once, reused every epoch
+            works = [self._plan([self._sft_samples(batch, config)], config, sync) for batch in batches]
+            rates = learning_rates(config.learning_rate, config.epochs * len(works), schedule=config.lr_schedule,
+                                   warmup_ratio=config.warmup_ratio)
+            total = config.epochs * sum(work.micro_batches for work in works)
+            t_prepared = time.perf_counter()
+            # 3-4. each optimizer step: accumulate its micro-batches, then apply at the schedule's rate
+            step_totals: list[dict[str, Any]] = []
+            forward_tokens = done = 0
+            for s, work in enumerate(works * config.epochs):
+                report = _offset(progress, done, total)
+                stats, tokens = self._accumulate(work, objective, report, sync)
+                step_totals.append(self._apply(stats, config, objective, learning_rate=rates[s]))
+                forward_tokens += tokens
+                done += work.micro_batches
+            t_end = time.perf_counter()
+        # 5. metrics
+        metrics = _sft_group_metrics(groups)
+        metrics.update(sft_metrics(step_totals, [s for w in works for s in w.samples], rates=rates,
+                                   epochs=config.epochs, num_sequences=sum(w.num_sequences for w in works),
+                                   num_tokens=sum(w.num_tokens for w in works), forward_tokens=forward_tokens,
+                                   micro_batches=total),
+                       seconds_prepare=t_prepared - t_start, seconds_forward_backward=t_end - t_prepared,
+                       seconds_total=t_end - t_start)
+        return metrics
+
+    def _sft_samples(self, trajectories: Sequence[Trajectory], config: SFTConfig) -> list[Sample]:
+        """The samples of one batch: only the assistant turns ``config.assistant_turns`` names are trained."""
+        samples = []
+        for trajectory in trajectories:
+            for sample in trajectory_samples(trajectory, self.tokenizer, assistant_turns=config.assistant_turns):
+                _check_length(sample, trajectory, "SFT data", config)
+                sample.advantage = 1.0
+                samples.append(sample)
+        return samples
 
     # -- state ----------------------------------------------------------------------------------------
 
@@ -277,14 +340,15 @@ class GRPOTrainer:
         self._pending_optimizer_state = torch.load(path, map_location="cpu", weights_only=True)
         return True
 
-    def _optimizer(self, config: TrainConfig) -> torch.optim.Optimizer:
+    def _optimizer(self, config: TrainConfig | SFTConfig, learning_rate: float) -> torch.optim.Optimizer:
+        # One AdamW for GRPO and SFT steps alike: SFT then GRPO on one adapter keeps the moments it built.
         if self.optimizer is None:
-            self.optimizer = torch.optim.AdamW(self.params, lr=config.learning_rate, weight_decay=config.weight_decay)
+            self.optimizer = torch.optim.AdamW(self.params, lr=learning_rate, weight_decay=config.weight_decay)
             if self._pending_optimizer_state is not None:
                 self.optimizer.load_state_dict(self._pending_optimizer_state)
                 self._pending_optimizer_state = None
-        for group in self.optimizer.param_groups:  # the config may change lr between steps
-            group["lr"] = config.learning_rate
+        for group in self.optimizer.param_groups:  # the config (or the SFT schedule) changes lr between steps
+            group["lr"] = learning_rate
             group["weight_decay"] = config.weight_decay
         return self.optimizer
 
@@ -292,6 +356,29 @@ class GRPOTrainer:
         pad = self.tokenizer.pad_token_id
         return int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
 
+
+
+def _check_length(sample: Sample, trajectory: Trajectory, where: str, config: TrainConfig | SFTConfig) -> None:
+    if len(sample.token_ids) > config.max_sequence_length:
+        raise TrajectoryError(
+            f"trajectory {trajectory.id!r} ({where}) has a sample of {len(sample.token_ids)} tokens, over "
+            f"max_sequence_length={config.max_sequence_length}; raise the limit or shorten the rollout")
+
+
+def _offset(progress: Progress | None, before: int, total: int) -> Progress | None:
+    """``progress`` for one optimizer step of several: its micro-batches counted after the ``before`` done."""
+    if progress is None:
+        return None
+    return lambda done, _step_total: progress(before + done, total)
+
+
+def _sft_group_metrics(groups: Sequence[TrajectoryGroup]) -> StepMetrics:
+    """What an SFT step reports of its data (rewards are not trained on; they are logged as GRPO's are)."""
+    rewards = [r for g in groups for r in g.rewards]
+    return {"reward_mean": _mean(rewards), "reward_std": _std(rewards), "groups": float(len(groups)),
+            "groups_used": float(len(groups)), "groups_dropped": 0.0,
+            "trajectories": float(sum(len(g) for g in groups)),
+            "rollout_exceptions": float(sum(len(g.exceptions) for g in groups))}
 
 
 def _weigh(groups: Sequence[TrajectoryGroup], objective: Objective) -> Weights:

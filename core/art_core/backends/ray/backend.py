@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..._threads import HELPERS
-from ...config import TrainConfig
+from ...config import SFTConfig, TrainConfig
 from ...errors import ConfigError, LifecycleError
 from ...types import TrajectoryGroup
 from .._shared import ServesModels
@@ -81,7 +81,7 @@ class _RaySteps:
     trainer: TrainerGroup
     router: ReplicaRouter
 
-    async def train(self, groups: list[TrajectoryGroup], config: TrainConfig, *, step: int,
+    async def train(self, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig, *, step: int,
                     progress: Progress | None, return_gradients: bool = False) -> Trained:
         result = await self.trainer.train(groups, config, return_gradients=return_gradients)
         if progress is not None:  # the ranks report nothing until the step ends
@@ -231,7 +231,7 @@ class RayBackend(ServesModels):
         self._models.add(model, _Slot(router, trainer, gateway, f"http://{host}:{gateway.port}", {}, steps))
         return step
 
-    async def train_step(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig, *,
+    async def train_step(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig | SFTConfig, *,
                          return_gradients: bool = False) -> dict[str, Any]:
         """``train``, returning more: ``metrics``, ``step``, ``shares`` (group indices per rank) and, when
         ``return_gradients``, each rank's summed LoRA gradients (name -> array) before the optimizer step."""

@@ -3,6 +3,9 @@
     driver: split groups by tokens -> rank 0..M-1: GRPOTrainer.train_step(share, sync=TorchDistributedSync())
             <- rank 0: the step's checkpoint files; every rank: its metrics (merged here)
 
+A supervised step (``SFTConfig``) is several optimizer steps that every rank must take together, so each rank
+gets every group and trains its slice of each batch (``GRPOTrainer.train_step``'s ``shard``).
+
 Ranks run ``torch.distributed`` (gloo on CPU, nccl on GPU). Each holds the whole PEFT model; the step's
 gradient is summed over ranks once per step (``training/distributed.py`` says why not the DDP wrapper),
 so the ranks' adapters stay identical and equal to what one process would train, up to float
@@ -20,7 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ...config import LoraSettings, TrainConfig
+from ...config import LoraSettings, SFTConfig, TrainConfig, step_config
 from ...errors import ConfigError, TrajectoryError
 from ...training.distributed import split_groups_by_tokens
 from ...types import TrajectoryGroup
@@ -30,7 +33,7 @@ __all__ = ["TrainerGroup", "TrainerRank", "merge_rank_metrics"]
 _SHARDINGS = ("none", "fsdp", "auto")
 # Metrics each rank reports as its part of a whole-step value (trainer.py divides by the step's totals).
 _SUMMED = ("loss", "entropy", "ratio_mean", "clip_fraction", "kl", "is_weight_mean", "is_truncated_fraction",
-           "forward_tokens", "micro_batches", "samples_rerendered")
+           "forward_tokens", "micro_batches", "samples_rerendered", "loss_first", "loss_last")
 
 
 class TrainerRank:
@@ -111,13 +114,15 @@ class TrainerRank:
 
         from ...training.distributed import ShardedSync, TorchDistributedSync
 
+        settings = step_config(config)  # TrainConfig or SFTConfig, by its kind
         inner = (ShardedSync(self.trainer.model, reference_pass=config.get("beta", 0) > 0) if self.sharded
                  else TorchDistributedSync())
         sync = _RecordingSync(inner, record=return_gradients)
+        shard = (self.rank, self.world_size) if isinstance(settings, SFTConfig) else None
         with warnings.catch_warnings(record=True) as caught:  # the driver warns once, for the whole step
             warnings.simplefilter("always")
             metrics = self.trainer.train_step([TrajectoryGroup.model_validate(g) for g in groups],
-                                              TrainConfig.model_validate(config), sync=sync)
+                                              settings, sync=sync, shard=shard)
         out: dict[str, Any] = {"metrics": metrics, "warnings": [str(w.message) for w in caught]}
         if return_gradients:
             out["gradients"] = dict(zip(self._names, sync.recorded, strict=True))
@@ -219,9 +224,9 @@ class TrainerGroup:
         """Rank 0's adapter files (every rank holds the same)."""
         return await self.ranks[0].adapter.remote()  # type: ignore[no-any-return]
 
-    async def train(self, groups: Sequence[TrajectoryGroup], config: TrainConfig, *,
+    async def train(self, groups: Sequence[TrajectoryGroup], config: TrainConfig | SFTConfig, *,
                     return_gradients: bool = False) -> dict[str, Any]:
-        """One step over all ranks.
+        """One step over all ranks (GRPO: each rank a share of the groups; SFT: each rank a slice of every batch).
 
         Returns:
             ``metrics`` (merged over ranks), ``checkpoint`` (rank 0's files, when trained), ``shares`` (group
@@ -233,13 +238,18 @@ class TrainerGroup:
         """
         _check_groups(groups, config)
         # Sharded ranks run without prefix sharing (ShardedSync), so the shared prompts then count in full.
-        shares = split_groups_by_tokens(groups, len(self.ranks), share_prefix=config.share_prefix and not self.sharded)
+        if isinstance(config, SFTConfig):  # every rank takes every optimizer step, on its slice of each batch
+            shares = [list(range(len(groups))) for _ in self.ranks]
+        else:
+            shares = split_groups_by_tokens(groups, len(self.ranks),
+                                            share_prefix=config.share_prefix and not self.sharded)
         config_data = config.model_dump(mode="json")
         replies = await asyncio.gather(*(
             rank.train.remote([groups[i].model_dump(mode="json") for i in share], config_data,
                               return_gradients=return_gradients, return_checkpoint=r == 0)
             for r, (rank, share) in enumerate(zip(self.ranks, shares, strict=True))))
-        metrics = merge_rank_metrics([reply["metrics"] for reply in replies], groups)
+        metrics = merge_rank_metrics([reply["metrics"] for reply in replies], groups,
+                                     every_rank_all_groups=isinstance(config, SFTConfig))
         result: dict[str, Any] = {"metrics": metrics, "checkpoint": replies[0].get("checkpoint"), "shares": shares,
                                   "warnings": sorted({w for reply in replies for w in reply["warnings"]})}
         if return_gradients:
@@ -255,8 +265,10 @@ class TrainerGroup:
         ray.util.remove_placement_group(self.placement_group)
 
 
-def merge_rank_metrics(per_rank: list[dict[str, float]], groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
-    """One step's metrics from its ranks' (each rank saw only its share of the groups)."""
+def merge_rank_metrics(per_rank: list[dict[str, float]], groups: Sequence[TrajectoryGroup], *,
+                       every_rank_all_groups: bool = False) -> dict[str, float]:
+    """One step's metrics from its ranks' (each rank saw only its share of the groups, or, with
+    ``every_rank_all_groups`` (SFT), every group and its slice of each batch)."""
     import math
 
     from ...training.trainer import _mean, _std
@@ -264,7 +276,8 @@ def merge_rank_metrics(per_rank: list[dict[str, float]], groups: Sequence[Trajec
     merged = dict(per_rank[0])
     rewards = [r for g in groups for r in g.rewards]
     merged.update(reward_mean=_mean(rewards), reward_std=_std(rewards), groups=float(len(groups)),
-                  groups_used=sum(m["groups_used"] for m in per_rank),
+                  groups_used=per_rank[0]["groups_used"] if every_rank_all_groups
+                  else sum(m["groups_used"] for m in per_rank),
                   groups_dropped=sum(m["groups_dropped"] for m in per_rank),
                   trajectories=float(sum(len(g) for g in groups)),
                   rollout_exceptions=float(sum(len(g.exceptions) for g in groups)), ranks=float(len(per_rank)))
@@ -281,7 +294,7 @@ def merge_rank_metrics(per_rank: list[dict[str, float]], groups: Sequence[Trajec
     return merged
 
 
-def _check_groups(groups: Sequence[TrajectoryGroup], config: TrainConfig) -> None:
+def _check_groups(groups: Sequence[TrajectoryGroup], config: TrainConfig | SFTConfig) -> None:
     for i, group in enumerate(groups):
         if len(group) == 0:
             raise TrajectoryError(f"group {i} is empty: every rollout of it failed or none was run "
