@@ -1,6 +1,6 @@
 """Supervised fine-tuning, ours vs TRL's ``SFTTrainer``: one epoch over the same chats with tool calls.
 
-The work: ``--chats`` (default 240) chats an agent with three tools would produce, generated here from a
+The work: ``--chats`` (default 200) chats an agent with three tools would produce, generated here from a
 seed (``make_chats``): a system prompt and the tool schemas, a user request, then one of four shapes: one
 tool call, its result and an answer; two calls in turn; two calls in parallel; or a direct answer. Both
 sides train the same base model (the embedded SmolLM2-135M-Instruct, its chat template with tool calls:
@@ -47,7 +47,7 @@ JSON says how many steps were timed quiet (``quiet_steps``); the median whole-ep
 Memory: peak RSS of the whole process (``ru_maxrss``: loading, data, the whole epoch), per side.
 
 Run (heavy: a few minutes per side and round on 2 cores):
-    cd /work/main && PYTHONPATH=core python tests/benchmarks/sft_vs_trl.py [--chats 240 --rounds 2]
+    cd /work/main && PYTHONPATH=core python tests/benchmarks/sft_vs_trl.py [--chats 200 --rounds 2]
 
 The last line printed is one JSON object with ``sft_speedup_vs_trl`` (TRL's epoch / ours) and
 ``sft_peak_rss_ratio_vs_trl`` (ours / TRL's).
@@ -71,7 +71,7 @@ from pathlib import Path
 from typing import Any
 
 SEED = 0
-CHATS = 240
+CHATS = 200
 BATCH = 8  # chats per optimizer step, on both sides
 SPEED_GOAL = 2.0  # ours at least this many times faster than TRL (issue 26)
 MEMORY_GOAL = 0.5  # and peak RSS at most this fraction of TRL's (issue 26)
@@ -311,23 +311,28 @@ def _ours(model_dir: Path, chats: list[dict[str, Any]]) -> dict[str, Any]:
     adapter = _reset_adapter(model)
     trainer = GRPOTrainer(model, tokenizer)
     trajectories = [Trajectory(messages=c["messages"], tools=c["tools"]) for c in chats]
-    tokens = _fingerprint([(s.token_ids, s.trained) for t in trajectories for s in trajectory_samples(t, tokenizer)])
+    tokens = _fingerprint([(s.token_ids, s.trained) for t in trajectories
+                           for s in trajectory_samples(t, tokenizer, assistant_turns="all")])
     config = SFTConfig(learning_rate=LEARNING_RATE, epochs=1, batch_size=BATCH, lr_schedule="linear",
                        warmup_ratio=0.0, assistant_turns="all", max_grad_norm=MAX_GRAD_NORM, weight_decay=0.0,
                        micro_batch_tokens=MICRO_BATCH_TOKENS, share_prefix=True)
     clock = StepClock()
-    losses: list[float] = []
-
-    def on_step(metrics: dict[str, float]) -> None:
-        clock.tick()
-        losses.append(metrics["loss"])
-
+    # One micro-batch per optimizer step here, so the progress call after each micro-batch marks a step (just
+    # before its optimizer update; the last update falls in the tail added to the last step below).
     t0 = time.perf_counter()
     clock.start()
-    metrics = trainer.train_step([TrajectoryGroup(trajectories)], config, on_step=on_step)
+    metrics = trainer.train_step([TrajectoryGroup(trajectories)], config, progress=lambda done, total: clock.tick())
     epoch_s = time.perf_counter() - t0
-    return {"adapter": adapter, "tokens": tokens, "prepare_s": 0.0, "epoch_s": epoch_s, "steps": clock.steps,
-            "first_loss": losses[0] if losses else metrics.get("loss", math.nan), "losses": losses}
+    steps = clock.steps
+    if len(steps) != metrics["optimizer_steps"]:
+        raise RuntimeError(f"{len(steps)} micro-batches for {metrics['optimizer_steps']:.0f} optimizer steps: "
+                           "raise MICRO_BATCH_TOKENS so that each step is one forward, as TRL's")
+    prepare_s = metrics["seconds_prepare"]  # rendering and planning every batch, done before the first step
+    steps[0]["seconds"] -= prepare_s
+    steps[-1]["seconds"] += epoch_s - prepare_s - sum(s["seconds"] for s in steps)
+    return {"adapter": adapter, "tokens": tokens, "prepare_s": prepare_s, "epoch_s": epoch_s, "steps": steps,
+            "first_loss": metrics["loss_first"], "first_grad_norm": math.nan,
+            "optimizer": "torch.optim.AdamW", "forward_tokens": metrics["forward_tokens"]}
 
 
 def _trl(model_dir: Path, chats: list[dict[str, Any]], scratch: str) -> dict[str, Any]:
@@ -381,7 +386,10 @@ def _trl(model_dir: Path, chats: list[dict[str, Any]], scratch: str) -> dict[str
                     peft_config=peft_config, callbacks=[Clock()])
     adapter = _reset_adapter(trainer.model)
     prepared = trainer.train_dataset
-    tokens = _fingerprint([(row["input_ids"], [label != -100 for label in row["labels"]]) for row in prepared])
+    rows = [(row["input_ids"], [label != -100 for label in row["labels"]]) for row in prepared]
+    tokens = _fingerprint(rows)
+    lengths = [len(ids) for ids, _ in rows]  # TRL pads each batch to its longest chat
+    forward_tokens = sum(len(lengths[i:i + BATCH]) * max(lengths[i:i + BATCH]) for i in range(0, len(rows), BATCH))
     t0 = time.perf_counter()
     trainer.train()
     epoch_s = time.perf_counter() - t0 + sum(prepare_s)
@@ -389,7 +397,7 @@ def _trl(model_dir: Path, chats: list[dict[str, Any]], scratch: str) -> dict[str
     return {"adapter": adapter, "tokens": tokens, "prepare_s": sum(prepare_s), "epoch_s": epoch_s,
             "steps": clock.steps, "first_loss": float(losses[0]), "losses": [float(x) for x in losses],
             "first_grad_norm": grad_norms[0] if grad_norms else math.nan,
-            "optimizer": f"{type(trainer.optimizer).__name__} ({args.optim})"}
+            "optimizer": f"{type(trainer.optimizer).__name__} ({args.optim})", "forward_tokens": forward_tokens}
 
 
 def run_side(side: str, model_dir: Path, *, chats: int, threads: int) -> dict[str, Any]:
