@@ -31,11 +31,14 @@ run every batch of 8 chats as one padded forward (ours: ``micro_batch_tokens`` a
 benchmark measures: the system prompt and tool schemas every chat of a batch starts with are run once
 (``share_prefix``), its forward keeps only what the backward needs, and its LoRA layers are fused.
 
-What is timed: the whole epoch. Ours: the ``train_step`` call (rendering the chats with the chat template,
-planning micro-batches, every forward/backward and optimizer step). TRL: its dataset preparation inside
-``SFTTrainer(...)`` (chat template, tokenisation, labels) plus ``trainer.train()``. Each optimizer step is
-timed on its own too (TRL: between ``on_step_end`` callbacks; ours: between its per-step progress calls),
-with how much CPU the *other* processes used meanwhile (from /proc/stat).
+What is timed: the whole epoch. Ours: ``GRPOTrainer.train_step(groups, SFTConfig(...))``, what
+``model.train_sft`` runs on a ``LocalBackend`` once the data is written to disk (rendering the chats with the
+chat template, planning micro-batches, every forward/backward and optimizer step; not the checkpoint written
+after). TRL: its dataset preparation inside ``SFTTrainer(...)`` (chat template, tokenisation, labels) plus
+``trainer.train()``. Model loading is setup on both sides, not timed. Each optimizer step is timed on its own
+too, with how much CPU the *other* processes used meanwhile (from /proc/stat): TRL's between its
+``on_step_end`` callbacks, ours' between the progress calls after each micro-batch (one per step; the
+preparation is taken off the first step and the last optimizer update added to the last).
 
 Timing on a shared 2-core machine: while any other process runs, 2-thread torch slows down by 2-10x, so a
 step is only as good as the machine was quiet during it. Each side runs ``--rounds`` times, each run in its
