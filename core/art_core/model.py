@@ -179,7 +179,7 @@ class TrainableModel:
         groups = list(groups)
         if not groups:
             raise ConfigError("train() got no group: gather at least one TrajectoryGroup first")
-        return await self._step(groups, config or TrainConfig())
+        return await self._run_step(groups, config or TrainConfig())
 
     async def train_sft(self, data: str | Path | Sequence[Trajectory] | Sequence[TrajectoryGroup], *,
                         config: SFTConfig | None = None) -> dict[str, float]:
@@ -211,9 +211,9 @@ class TrainableModel:
         if not isinstance(config, SFTConfig):
             raise ConfigError(f"train_sft() takes an SFTConfig, not {type(config).__name__}: GRPO settings go to "
                               "model.train(groups, config=TrainConfig(...))")
-        return await self._step(_sft_groups(data), config)
+        return await self._run_step(_sft_groups(data), config)
 
-    async def _step(self, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig) -> dict[str, float]:
+    async def _run_step(self, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig) -> dict[str, float]:
         """One step of either kind through the backend, then the step hooks and the trackers."""
         started = time.perf_counter()
         result = await self.backend.train(self.spec, groups, config)

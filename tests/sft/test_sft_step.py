@@ -191,3 +191,24 @@ def test_sft_config_is_checked_and_tells_grpo_apart_on_the_wire():
     config = SFTConfig(epochs=2, lr_schedule="cosine")
     assert step_config(json.loads(config.model_dump_json())) == config
     assert math.isclose(SFTConfig().learning_rate, 1e-4)
+
+
+def test_a_pass_that_fails_midway_leaves_the_adapter_as_it_was(trainer):
+    """Three optimizer steps; the third fails (here: the progress callback raises, as an interrupt would) after
+    two were applied. The adapter and optimizer are put back: a failed step changes nothing."""
+    trajectories = [Trajectory.model_validate({"messages": [{"role": "user", "content": f"say {k}"},
+                                                            {"role": "assistant", "content": str(k)}]})
+                    for k in range(3)]
+    before = [p.detach().clone() for p in trainer.params]
+
+    def progress(done: int, total: int) -> None:
+        if done == 3:
+            raise KeyboardInterrupt("stop")
+
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train_step([TrajectoryGroup(trajectories)], SFTConfig(batch_size=1, learning_rate=1e-2),
+                           progress=progress)
+    assert all(torch.equal(p, b) for p, b in zip(trainer.params, before))
+    assert trainer.optimizer is None and all(p.grad is None for p in trainer.params)
+    metrics = trainer.train_step([TrajectoryGroup(trajectories)], SFTConfig(batch_size=1, learning_rate=1e-2))
+    assert metrics["optimizer_steps"] == 3.0  # and the trainer still works

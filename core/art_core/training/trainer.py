@@ -19,10 +19,12 @@ the backends. When an in-process engine decodes this very module, the step holds
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -190,15 +192,14 @@ class GRPOTrainer:
             return _Work(samples, [], 0, 0)
         plan = plan_micro_batches(sample_groups, token_budget=config.micro_batch_tokens,
                                   share_prefix=config.share_prefix and self.share_prefix, pad_token_id=self._pad_id())
-        work = _Work(samples, plan, num_sequences, num_tokens)
-        if sync is not None and hasattr(sync, "planned"):  # FSDP ranks agree on a pass count (distributed.py)
-            sync.planned(work.micro_batches)
-        return work
+        return _Work(samples, plan, num_sequences, num_tokens)
 
     def _accumulate(self, work: _Work, objective: Objective, progress: Progress | None,
                     sync: StepSync | None) -> tuple[StepStats, int]:
         """Forward and backward over every micro-batch, gradients summed in place. Returns the running sums and
         the tokens run through the model. On failure no half-accumulated gradient is left behind."""
+        if sync is not None and hasattr(sync, "planned"):  # FSDP ranks agree on a pass count (distributed.py)
+            sync.planned(work.micro_batches)  # here, not at planning: an SFT pass plans all its steps first
         self.model.train()
         stats = StepStats(next(iter(self.params)).device)
         done = forward_tokens = 0
@@ -280,7 +281,7 @@ class GRPOTrainer:
         """``config.epochs`` passes over the groups' trajectories (in order), one optimizer step per
         ``config.batch_size`` of them, the learning rate following ``config.lr_schedule`` over those steps."""
         t_start = time.perf_counter()
-        with module_ownership(self.model).training():
+        with module_ownership(self.model).training(), self._restored_on_failure():
             # 1. weights: every trajectory counts, once (SFT reads no reward and drops nothing)
             _weigh(groups, objective)
             trajectories = [t for g in groups for t in g.trajectories]
@@ -313,6 +314,31 @@ class GRPOTrainer:
                        seconds_prepare=t_prepared - t_start, seconds_forward_backward=t_end - t_prepared,
                        seconds_total=t_end - t_start)
         return metrics
+
+    @contextlib.contextmanager
+    def _restored_on_failure(self) -> Iterator[None]:
+        """Put the adapter and the optimizer back as they were if the block raises.
+
+        An SFT pass takes many optimizer steps; one failing (a non-finite loss, an interrupt) after others were
+        applied would leave weights that no checkpoint holds, and an engine decoding this module would serve
+        them. Restoring keeps the rule of a GRPO step: a step that fails changes nothing. The copy is of the
+        LoRA parameters and AdamW's state only (small next to the base).
+        """
+        params = [p.detach().clone() for p in self.params]
+        optimizer = copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None
+        pending = self._pending_optimizer_state
+        try:
+            yield
+        except BaseException:
+            with torch.no_grad():
+                for param, saved in zip(self.params, params, strict=True):
+                    param.copy_(saved)
+            if optimizer is None:  # no optimizer before the pass: build it afresh (from a checkpoint's state) next time
+                self.optimizer, self._pending_optimizer_state = None, pending
+            else:
+                self.optimizer.load_state_dict(optimizer)
+            self.model.zero_grad(set_to_none=True)
+            raise
 
     def _sft_samples(self, trajectories: Sequence[Trajectory], config: SFTConfig) -> list[Sample]:
         """The samples of one batch: only the assistant turns ``config.assistant_turns`` names are trained."""
