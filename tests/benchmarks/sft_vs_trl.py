@@ -79,6 +79,7 @@ BATCH = 8  # chats per optimizer step, on both sides
 SPEED_GOAL = 2.0  # ours at least this many times faster than TRL (issue 26)
 MEMORY_GOAL = 0.5  # and peak RSS at most this fraction of TRL's (issue 26)
 SIDES = ("ours", "trl")
+ABLATION = "ours_no_prefix_share"  # run alone with --side (see main): where our speed comes from
 QUIET_OTHERS_CORES = 0.1  # a step is "quiet" when other processes used less CPU than this during it
 
 LORA_RANK, LORA_ALPHA, LORA_DROPOUT = 8, 16, 0.0
@@ -303,8 +304,8 @@ class StepClock:
         self.steps.append({"seconds": seconds, "others_cores": others / seconds if seconds > 0 else 0.0})
 
 
-def _ours(model_dir: Path, chats: list[dict[str, Any]]) -> dict[str, Any]:
-    """One epoch through our trainer's SFT objective."""
+def _ours(model_dir: Path, chats: list[dict[str, Any]], *, share_prefix: bool = True) -> dict[str, Any]:
+    """One epoch through our trainer's SFT objective (``share_prefix=False``: the ablation, without prefix sharing)."""
     from art_core.config import LoraSettings, SFTConfig
     from art_core.training.samples import trajectory_samples
     from art_core.training.trainer import GRPOTrainer, load_policy
@@ -318,7 +319,7 @@ def _ours(model_dir: Path, chats: list[dict[str, Any]]) -> dict[str, Any]:
                            for s in trajectory_samples(t, tokenizer, assistant_turns="all")])
     config = SFTConfig(learning_rate=LEARNING_RATE, epochs=1, batch_size=BATCH, lr_schedule="linear",
                        warmup_ratio=0.0, assistant_turns="all", max_grad_norm=MAX_GRAD_NORM, weight_decay=0.0,
-                       micro_batch_tokens=MICRO_BATCH_TOKENS, share_prefix=True)
+                       micro_batch_tokens=MICRO_BATCH_TOKENS, share_prefix=share_prefix)
     clock = StepClock()
     # One micro-batch per optimizer step here, so the progress call after each micro-batch marks a step (just
     # before its optimizer update; the last update falls in the tail added to the last step below).
@@ -410,7 +411,10 @@ def run_side(side: str, model_dir: Path, *, chats: int, threads: int) -> dict[st
     torch.manual_seed(SEED)
     data = make_chats(chats)
     with tempfile.TemporaryDirectory(prefix="sft-bench-") as scratch:
-        result = _trl(model_dir, data, scratch) if side == "trl" else _ours(model_dir, data)
+        if side == "trl":
+            result = _trl(model_dir, data, scratch)
+        else:
+            result = _ours(model_dir, data, share_prefix=side != ABLATION)
     data_hash = hashlib.sha256(json.dumps(data).encode()).hexdigest()[:12]
     return {"side": side, "data": data_hash, **result,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB on Linux
@@ -449,7 +453,9 @@ def main() -> None:
     parser.add_argument("--chats", type=int, default=CHATS, help=f"chats in the epoch (default {CHATS})")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved runs of each side (default 2)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads per process (default 2)")
-    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # internal: run one side
+    # Internal: run one side (the driver's subprocesses); by hand, ``--side ours_no_prefix_share --result-file F``
+    # runs the ablation, whose steps compare with ours' steps of the same index.
+    parser.add_argument("--side", choices=(*SIDES, ABLATION), help=argparse.SUPPRESS)
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
