@@ -15,7 +15,7 @@ LITELLM ?= litellm==1.83.0
 # remote tests (scripts/setup_client_venv.sh, ~1 min, keyed by a hash of the pyproject files).
 export ART_VLLM_VENV ?= $(HOME)/.cache/art-core/venv-vllm
 
-.PHONY: demo test test-loaded bench clean
+.PHONY: demo test test-loaded bench bench-sft clean
 
 $(VENV)/.installed: pyproject.toml core/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ test-loaded: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) -m pip install -q -e "./core[bench]"
 	$(PY) tests/benchmarks/train_step_vs_trl.py
+
+# Supervised fine-tuning against TRL's SFTTrainer: two runs of one 200-chat epoch per side (about an hour on 2 cores).
+bench-sft: $(VENV)/.installed
+	$(PY) -m pip install -q -e "./core[bench]"
+	$(PY) tests/benchmarks/sft_vs_trl.py
 
 clean:
 	rm -rf $(VENV) .art
