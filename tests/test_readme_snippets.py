@@ -121,6 +121,7 @@ def _run(snippet: Snippet, workdir: Path) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize("snippet", RUNNABLE, ids=lambda s: s.id)
 def test_runnable_snippet_runs_as_written(snippet: Snippet, tmp_path: Path) -> None:
     result = _run(snippet, tmp_path)
+    print(result.stdout)  # what a user would see (pytest -rA shows it)
     assert result.returncode == 0, (
         f"{snippet.id} exited with {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}")
     if 'name="adder"' in snippet.code:
