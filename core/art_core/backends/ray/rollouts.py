@@ -187,6 +187,18 @@ class RolloutPool:
         done = asyncio.Event()
         if pending == 0:
             return []
+        dead: set[int] = set()  # workers known lost: their slots hand their next rollout back and stop
+
+        async def find_dead() -> None:
+            # A lost node takes every worker on it at once: ping the others before a lost rollout is retried, so the
+            # retry is not spent on a worker that is gone too (with 4 workers on one node, it could be lost 3 times).
+            async def ping(wi: int) -> None:
+                try:
+                    await self.workers[wi].ping.remote()
+                except lost_errors:
+                    dead.add(wi)
+
+            await asyncio.gather(*(ping(wi) for wi in range(len(self.workers)) if wi not in dead))
 
         async def slot(wi: int) -> None:
             nonlocal pending
@@ -194,13 +206,18 @@ class RolloutPool:
                 # Waits without polling (32 idle slots polling at 50 Hz cost the driver a few % of a core);
                 # a retried rollout is put back and wakes one; the slots are cancelled once all are done.
                 ti, attempt = await queue.get()
+                if wi in dead:
+                    queue.put_nowait((ti, attempt))  # not tried: a live worker's slot takes it
+                    return
                 worker = self.workers[wi]
                 try:
                     data = await worker.run.remote(tasks[ti], step)
                 except lost_errors as exc:
                     stats.failed_lost_worker += 1
+                    dead.add(wi)
                     if attempt < self.max_attempts:
                         stats.retried += 1
+                        await find_dead()
                         queue.put_nowait((ti, attempt + 1))
                     else:
                         stats.gave_up += 1
