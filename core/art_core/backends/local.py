@@ -73,7 +73,8 @@ class _LocalSteps:
     def _train_sync(self, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig, step: int,
                     report: Progress | None) -> dict[str, Any]:
         with progress_bar(f"training step {step}", enabled=self.backend.show_progress and report is None) as bar:
-            return dict(self.trainer.train_step(groups, config, progress=report or bar))
+            # The module is at the checkpoint before this step: samples an older one drew are off-policy.
+            return dict(self.trainer.train_step(groups, config, progress=report or bar, policy_step=step - 1))
 
     async def publish(self, checkpoint: Path, step: int) -> None:
         await self.serving.publish(checkpoint, step)
@@ -81,19 +82,23 @@ class _LocalSteps:
 
 @contextlib.contextmanager
 def _trainer_warnings_silenced() -> Iterator[None]:
-    """While a step trains: the trainer's ``ZeroVarianceGroupsWarning``, which the training thread would charge to
-    a line of ours, is left to the step runner, which warns at the user's ``model.train`` line instead. Only that
-    category, only when charged to an art_core module; the filter is removed when the step ends."""
-    from ..training.trainer import ZeroVarianceGroupsWarning
+    """While a step trains: the trainer's ``ZeroVarianceGroupsWarning`` and ``StaleGroupsWarning``, which the
+    training thread would charge to a line of ours, are left to the step runner, which warns at the user's
+    ``model.train`` line instead. Only those categories, only when charged to an art_core module; the filters are
+    removed when the step ends."""
+    from ..training.trainer import StaleGroupsWarning, ZeroVarianceGroupsWarning
 
-    warnings.filterwarnings("ignore", category=ZeroVarianceGroupsWarning, module=r"art_core\.")
-    entry = warnings.filters[0]
+    entries = []
+    for category in (ZeroVarianceGroupsWarning, StaleGroupsWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"art_core\.")
+        entries.append(warnings.filters[0])
     try:
         yield
     finally:
-        with contextlib.suppress(ValueError):  # someone reset the filters meanwhile: nothing left to remove
-            warnings.filters.remove(entry)
-            warnings._filters_mutated()  # type: ignore[attr-defined]
+        for entry in entries:
+            with contextlib.suppress(ValueError):  # someone reset the filters meanwhile: nothing left to remove
+                warnings.filters.remove(entry)
+        warnings._filters_mutated()  # type: ignore[attr-defined]
 
 
 class LocalBackend(ServesModels):
