@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapt
 
 from .errors import ConfigError
 
-__all__ = ["LoraSettings", "LossName", "SFTConfig", "StepConfig", "TrainConfig", "step_config"]
+__all__ = ["STEP_KINDS", "LoraSettings", "LossName", "SFTConfig", "StepConfig", "TrainConfig", "step_config"]
 
 LossName = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
 
@@ -120,6 +120,9 @@ class SFTConfig(_Config):
     max_sequence_length: int = Field(8192, ge=16)
     """Longer samples are refused with an error naming the trajectory, rather than trained on cut."""
 
+
+STEP_KINDS = ("grpo", "sft")
+"""The ``kind`` of each step config: ``TrainConfig``'s, ``SFTConfig``'s."""
 
 StepConfig: TypeAlias = Annotated[
     Annotated[TrainConfig, Tag("grpo")] | Annotated[SFTConfig, Tag("sft")],

@@ -13,7 +13,7 @@ Training API (prefix ``API_PREFIX``, every route behind the bearer token)::
 
     GET  /health                                     server version and registered models
     POST /models                                     ModelSpec -> Registered
-    POST /models/{project}/{name}/train              TrainRequest -> server-sent events (see below)
+    POST /models/{project}/{name}/train              TrainRequest (GRPO or SFT) -> server-sent events
     GET  /models/{project}/{name}/train/{train_id}   re-attach to a train call's events
     POST /models/{project}/{name}/sample             SampleRequest -> list[Trajectory]
     GET  /models/{project}/{name}/checkpoints        -> list[int]

@@ -4,6 +4,7 @@
         await model.register(backend)      # the server loads the model and serves its gateway
         ...                                # agents call model.rollout_base_url(...) on the server's gateway
         await model.train(groups)          # progress shown here as locally; the step runs on the server
+        await model.train_sft("demos.jsonl")  # SFT too: the file is read here, its chats go over the wire
 
 It needs no torch: only httpx and pydantic. Bodies are JSON (gzip above ``compress_above`` bytes off
 loopback); see ``art_core.wire`` for the routes.

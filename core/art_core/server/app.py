@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
 from ..backends.base import Backend, ModelSpec
+from ..config import STEP_KINDS
 from ..errors import (
     ArtError,
     BaseModelNotFoundError,
@@ -220,8 +221,12 @@ def _parse(model: type[BaseModel], body: bytes) -> Any:
         return model.model_validate_json(body)
     except ValidationError as exc:
         first = exc.errors()[0]
-        field = ".".join(str(part) for part in first["loc"]) or "(the body)"
-        raise _BadBody(f"invalid {model.__name__} body ({exc.error_count()} problem(s)); first: {field}: "
+        loc = [str(part) for part in first["loc"]]
+        kind = ""
+        if loc[:1] == ["config"] and loc[1:2] and loc[1] in STEP_KINDS:  # the union's tag: not a field of the body
+            kind = f" (a {loc.pop(1)} step's config)"
+        field = ".".join(loc) or "(the body)"
+        raise _BadBody(f"invalid {model.__name__} body ({exc.error_count()} problem(s)); first: {field}{kind}: "
                        f"{first['msg']}", field) from exc
 
 
