@@ -22,8 +22,10 @@ on disk, the gateway stays paused (it never serves the old step as if it were th
 an ``EngineError`` naming the checkpoint and the cause, and ``sample`` raises it too. A later successful step
 resumes serving. A step that fails before its checkpoint is written changes nothing: serving goes on.
 
-The asynchronous pipeline will run with ``pause_during_step=False``: requests keep being served by the previous
-checkpoint while the next one trains, and only a failed publish pauses the gateway.
+With ``pause_during_step=False`` (``LocalBackend(pause_during_step=False)``, the asynchronous pipeline) requests keep
+being served by the previous checkpoint while the next one trains; publishing swaps the adapter between requests
+(the engine's ``load_adapter`` lets the requests in flight finish on the old one), and only a failed publish
+pauses the gateway.
 """
 
 from __future__ import annotations
