@@ -161,3 +161,36 @@ async def test_cancelling_stops_cleanly_after_the_step_in_progress(model: Traina
     assert await model.checkpoints() == [1] and [row["step"] for row in await model.history()] == [1]
     assert [p.name for p in (folder / "trajectories").iterdir()] == ["0001.jsonl"]
     assert not [p for p in folder.rglob("*") if p.name.startswith(".") or p.name.endswith(".tmp")]  # nothing partial
+
+
+def test_stalest_groups_are_trained_first() -> None:
+    from art_core import CallRecord, Trajectory
+    from art_core.pipeline import _Ready, stalest_first
+
+    def sampled_at(step: int | None) -> TrajectoryGroup:
+        return TrajectoryGroup([Trajectory(calls=[CallRecord(prompt_token_ids=[1], completion_token_ids=[2],
+                                                             adapter_step=step)])])
+
+    ready = [_Ready(sampled_at(s), order) for order, s in enumerate([3, None, 1, 3, 2])]
+    taken = stalest_first(ready, 3)
+    assert [g.trajectories[0].calls[0].adapter_step for g in taken] == [1, 2, 3]
+    assert [r.order for r in ready] == [3, 1]  # left: the later of the two step-3 groups, then the unknown one
+
+
+async def test_the_readmes_asynchronous_training_example_runs(tiny_model_dir: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    import json
+    import re
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Asynchronous training", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert 'base_model="smollm2-135m-instruct"' in code
+    code = code.replace('base_model="smollm2-135m-instruct"', f"base_model={str(tiny_model_dir)!r}")
+    monkeypatch.chdir(tmp_path)
+    await asyncio.to_thread(exec, compile(code, "README.md", "exec"), {"__name__": "readme"})  # asyncio.run inside
+    out = capsys.readouterr().out
+    assert "3 [True, True, True]" in out and out.count("step ") >= 3 and "dropped as stale" in out
+    history = tmp_path / ".art" / "demo" / "models" / "adder-async" / "history.jsonl"
+    rows = [json.loads(line) for line in history.read_text().splitlines()]
+    assert len(rows) == 3 and all(row["staleness_max"] <= 1 for row in rows)

@@ -54,7 +54,7 @@ class StepReport:
     """One step of a pipeline: what its progress line says."""
 
     step: int
-    """The checkpoint the step wrote."""
+    """The checkpoint served after the step (the one it wrote; the previous one when every group was dropped)."""
     metrics: dict[str, Any]
     """``model.train``'s metrics (``reward_mean``, ``staleness_mean``, ``groups_stale``, ...)."""
     rollouts_failed: int
