@@ -439,14 +439,14 @@ def _weigh(groups: Sequence[TrajectoryGroup], objective: Objective, indices: Seq
     ``indices[i]``, their places in the caller's list, when given)."""
     for i, group in enumerate(groups):
         if len(group) == 0:
-            raise TrajectoryError(f"group {i} is empty: every rollout of it failed or none was run "
+            raise TrajectoryError(f"group {indices[i] if indices is not None else i} is empty: every rollout of it "
+                                  "failed or none was run "
                                   f"({len(group.exceptions)} exception(s) recorded); drop it before training")
     weights = objective.weigh(groups)
     if weights.dropped:
         named = [indices[i] for i in weights.dropped] if indices is not None else weights.dropped
-        total = len(groups) if indices is None else len(indices)
         warnings.warn(ZeroVarianceGroupsWarning(
-            f"{len(weights.dropped)} of {total} group(s) had equal rewards for every "
+            f"{len(weights.dropped)} of {len(groups)} group(s) had equal rewards for every "
             f"trajectory and were dropped (indices {named[:10]}); shape the reward so "
             "that rollouts of one task differ"), stacklevel=3)  # the caller of train_step
     return weights
