@@ -27,6 +27,7 @@ from .errors import (
     TrajectoryError,
 )
 from .model import TrainableModel
+from .pipeline import PipelineReport, StepReport, pipeline
 from .rewards import JudgeUsage, ruler_score_group, score_group
 from .types import (
     CallRecord,
@@ -61,12 +62,14 @@ __all__ = [
     "Message",
     "ModelNotRegisteredError",
     "ModelSpec",
+    "PipelineReport",
     "RayBackend",
     "RemoteBackend",
     "RewardError",
     "SFTConfig",
     "ServerError",
     "ServerUnavailableError",
+    "StepReport",
     "ToolCall",
     "TrainConfig",
     "TrainResult",
@@ -77,6 +80,7 @@ __all__ = [
     "TrajectoryGroup",
     "TransformersOptions",
     "VLLMOptions",
+    "pipeline",
     "read_groups_jsonl",
     "ruler_score_group",
     "score_group",

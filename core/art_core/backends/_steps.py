@@ -22,8 +22,10 @@ on disk, the gateway stays paused (it never serves the old step as if it were th
 an ``EngineError`` naming the checkpoint and the cause, and ``sample`` raises it too. A later successful step
 resumes serving. A step that fails before its checkpoint is written changes nothing: serving goes on.
 
-The asynchronous pipeline will run with ``pause_during_step=False``: requests keep being served by the previous
-checkpoint while the next one trains, and only a failed publish pauses the gateway.
+With ``pause_during_step=False`` (``LocalBackend(pause_during_step=False)``, the asynchronous pipeline) requests keep
+being served by the previous checkpoint while the next one trains; publishing swaps the adapter between requests
+(the engine's ``load_adapter`` lets the requests in flight finish on the old one), and only a failed publish
+pauses the gateway.
 """
 
 from __future__ import annotations
@@ -225,7 +227,7 @@ class StepRunner:
             if self.error is None and self.hold.state == "paused":  # nothing changed: serve on as before
                 await self.hold.resume_after_training(self.step)
             raise
-        _warn_dropped_groups(groups, metrics)
+        _warn_dropped_groups(groups, config, next_step - 1, metrics)
 
         # 4. publish, then the history row (written whether or not the engine took the checkpoint)
         failure: BaseException | None = None
@@ -266,16 +268,26 @@ def _checkpoint_metadata(config: TrainConfig | SFTConfig, metrics: dict[str, Any
     return {"kind": "grpo", "loss": config.loss, "reward_mean": metrics["reward_mean"]}
 
 
-def _warn_dropped_groups(groups: list[TrajectoryGroup], metrics: dict[str, Any]) -> None:
-    """Warn, at the user's ``model.train`` line, that groups with equal rewards were dropped."""
+def _warn_dropped_groups(groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig, policy_step: int,
+                         metrics: dict[str, Any]) -> None:
+    """Warn, at the user's ``model.train`` line, that groups were dropped: sampled too long ago
+    (``TrainConfig.max_off_policy``), or with equal rewards."""
+    kept = list(range(len(groups)))
+    if metrics.get("groups_stale"):
+        from ..training.staleness import StaleGroupsWarning, staleness
+
+        found = staleness(groups, policy_step, getattr(config, "max_off_policy", None))
+        warn_at_caller(StaleGroupsWarning(found.message()))
+        kept = [i for i in kept if i not in set(found.stale)]
     if not metrics.get("groups_dropped"):
         return
     from ..training.advantages import compute_group_advantages
     from ..training.trainer import ZeroVarianceGroupsWarning
 
-    dropped = compute_group_advantages([g.rewards for g in groups], scale="none").dropped_groups
+    flat = compute_group_advantages([groups[i].rewards for i in kept], scale="none").dropped_groups
+    dropped = [kept[i] for i in flat]
     warn_at_caller(ZeroVarianceGroupsWarning(
-        f"{len(dropped)} of {len(groups)} group(s) had equal rewards for every trajectory and were dropped "
+        f"{len(dropped)} of {len(kept)} group(s) had equal rewards for every trajectory and were dropped "
         f"(indices {dropped[:10]}); shape the reward so that rollouts of one task differ"))
 
 

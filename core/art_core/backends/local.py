@@ -25,7 +25,7 @@ from .._threads import TRAINING
 from ..config import SFTConfig, TrainConfig
 from ..errors import ConfigError
 from ..types import TrajectoryGroup
-from ._engines import EngineContext, Serving, TransformersOptions, VLLMOptions, inference_choice
+from ._engines import EngineContext, Serving, TransformersOptions, VLLMOptions, inference_choice, shares_module
 from ._progress import progress_bar
 from ._shared import ServesModels
 from ._tables import ModelTable
@@ -73,7 +73,8 @@ class _LocalSteps:
     def _train_sync(self, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig, step: int,
                     report: Progress | None) -> dict[str, Any]:
         with progress_bar(f"training step {step}", enabled=self.backend.show_progress and report is None) as bar:
-            return dict(self.trainer.train_step(groups, config, progress=report or bar))
+            # The module is at the checkpoint before this step: samples an older one drew are off-policy.
+            return dict(self.trainer.train_step(groups, config, progress=report or bar, policy_step=step - 1))
 
     async def publish(self, checkpoint: Path, step: int) -> None:
         await self.serving.publish(checkpoint, step)
@@ -81,19 +82,23 @@ class _LocalSteps:
 
 @contextlib.contextmanager
 def _trainer_warnings_silenced() -> Iterator[None]:
-    """While a step trains: the trainer's ``ZeroVarianceGroupsWarning``, which the training thread would charge to
-    a line of ours, is left to the step runner, which warns at the user's ``model.train`` line instead. Only that
-    category, only when charged to an art_core module; the filter is removed when the step ends."""
-    from ..training.trainer import ZeroVarianceGroupsWarning
+    """While a step trains: the trainer's ``ZeroVarianceGroupsWarning`` and ``StaleGroupsWarning``, which the
+    training thread would charge to a line of ours, are left to the step runner, which warns at the user's
+    ``model.train`` line instead. Only those categories, only when charged to an art_core module; the filters are
+    removed when the step ends."""
+    from ..training.trainer import StaleGroupsWarning, ZeroVarianceGroupsWarning
 
-    warnings.filterwarnings("ignore", category=ZeroVarianceGroupsWarning, module=r"art_core\.")
-    entry = warnings.filters[0]
+    entries = []
+    for category in (ZeroVarianceGroupsWarning, StaleGroupsWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"art_core\.")
+        entries.append(warnings.filters[0])
     try:
         yield
     finally:
-        with contextlib.suppress(ValueError):  # someone reset the filters meanwhile: nothing left to remove
-            warnings.filters.remove(entry)
-            warnings._filters_mutated()  # type: ignore[attr-defined]
+        for entry in entries:
+            with contextlib.suppress(ValueError):  # someone reset the filters meanwhile: nothing left to remove
+                warnings.filters.remove(entry)
+        warnings._filters_mutated()  # type: ignore[attr-defined]
 
 
 class LocalBackend(ServesModels):
@@ -126,18 +131,25 @@ class LocalBackend(ServesModels):
         gateway_mount: serve each gateway inside the caller's ASGI app rather than on a loopback port of its
             own: called with the model's spec, it returns the URL the caller serves ``gateway(model).app`` at
             (``art-core serve`` puts every model's gateway on its one port this way). None: own ports.
+        pause_during_step: hold requests while a step trains (True, the default: every request after a step is
+            served by its checkpoint). False: the engine keeps serving the last published checkpoint during the
+            step and switches when the next one is published, each request running wholly on one adapter (its
+            record's ``adapter_step`` says which); the asynchronous pipeline runs so. Needs an engine with weights
+            of its own: vLLM, or ``transformers=TransformersOptions(separate_module=True)``.
 
     Raises:
         ConfigError: an unknown ``inference`` or ``trainer`` name, a choice that cannot run here (Unsloth
-            without an NVIDIA GPU, vLLM without its venv), ``transformers`` options with another engine, or
-            invalid gateway settings. Nothing is loaded.
+            without an NVIDIA GPU, vLLM without its venv), ``transformers`` options with another engine,
+            ``pause_during_step=False`` with the engine decoding the trainer's module, or invalid gateway settings.
+            Nothing is loaded.
     """
 
     def __init__(self, *, path: str | Path = ".art", inference: str = "transformers", trainer: str = "peft",
                  device: str | None = None, inference_device: str | None = None, vllm: VLLMOptions | None = None,
                  transformers: TransformersOptions | None = None, host: str = "127.0.0.1", api_key: str | None = None, default_max_tokens: int | None = None,
                  max_tokens_limit: int | None = None, num_threads: int | None = None, show_progress: bool = True,
-                 serve: bool = True, gateway_mount: Callable[[ModelSpec], str] | None = None) -> None:
+                 serve: bool = True, gateway_mount: Callable[[ModelSpec], str] | None = None,
+                 pause_during_step: bool = True) -> None:
         self.inference = inference
         self.trainer = trainer
         self._inference = inference_choice(inference)
@@ -152,6 +164,10 @@ class LocalBackend(ServesModels):
         self.transformers = transformers or TransformersOptions()
         self._trainer.check(device)
         self._inference.check(self.vllm)
+        self.pause_during_step = pause_during_step
+        if not pause_during_step and inference == "transformers" and shares_module(
+                self._trainer.shares_with_engine, self.transformers, inference_device or device or "", device or ""):
+            raise _shared_module_refusal()
         self.serve = serve
         self.gateway_mount = gateway_mount
         self.path = Path(path)
@@ -247,8 +263,12 @@ class LocalBackend(ServesModels):
             adapter_dir=adapter_dir, trainer_device=device, inference_device=self.inference_device or device,
             trainer_shares=self._trainer.shares_with_engine, vllm=self.vllm, log_dir=model_dir / "logs",
             transformers=self.transformers))
+        if not self.pause_during_step and serving.layout == "shared-module":  # devices resolved to one after all
+            await serving.engine.aclose()
+            raise _shared_module_refusal()
         steps = StepRunner(name=model.name, model_dir=model_dir, step=step, work=_LocalSteps(self, trainer, serving),
-                           hold=EngineHold(serving.engine), engine_label=self.inference)
+                           hold=EngineHold(serving.engine), engine_label=self.inference,
+                           pause_during_step=self.pause_during_step)
         return _Slot(trainer, serving, steps)
 
     # -- helpers --------------------------------------------------------------------------------------
@@ -256,3 +276,11 @@ class LocalBackend(ServesModels):
     def _with_threads(self, fn: Callable[[], T]) -> T:
         with torch_threads(self.num_threads):  # scoped: restored after, also when two models step at once
             return fn()
+
+
+def _shared_module_refusal() -> ConfigError:
+    return ConfigError(
+        "pause_during_step=False keeps serving while a step trains, but the transformers engine would decode the "
+        "trainer's own module (the 'shared-module' layout), which a step changes under it. Give the engine weights "
+        "of its own: transformers=TransformersOptions(separate_module=True) (the 'separate-module' layout, a second "
+        "copy of the base in memory), or inference='vllm'; or keep pause_during_step=True")

@@ -33,7 +33,7 @@ import torch
 
 from .._ownership import module_ownership
 from ..config import SFTConfig, TrainConfig
-from ..errors import TrainingError, TrajectoryError
+from ..errors import ConfigError, TrainingError, TrajectoryError
 from ..types import Trajectory, TrajectoryGroup
 from .batching import MicroBatch, PrefixGroup, plan_micro_batches
 from .distributed import StepSync
@@ -43,9 +43,10 @@ from .losses import LossInputs
 from .objectives import GRPOObjective, Objective, SFTObjective, Weights
 from .samples import Sample, attribute_behaviour, trajectory_samples
 from .schedules import learning_rates
+from .staleness import StaleGroupsWarning, staleness
 from .step_stats import StepStats, sft_metrics, step_metrics
 
-__all__ = ["GRPOTrainer", "ZeroVarianceGroupsWarning", "check_config", "load_policy"]
+__all__ = ["GRPOTrainer", "StaleGroupsWarning", "ZeroVarianceGroupsWarning", "check_config", "load_policy"]
 
 StepMetrics = dict[str, float]
 Progress = Callable[[int, int], None]
@@ -121,7 +122,9 @@ class GRPOTrainer:
             objective: what the step optimises. Default: ``GRPOObjective.from_config(config)``.
             policy_step: the adapter step the module is at. Samples an older adapter sampled (their records'
                 ``adapter_step``) are then off-policy, and their sampler's log-probs are their behaviour log-probs
-                (``samples.attribute_behaviour``). Default: None, every sample counts as on-policy. Not used by SFT.
+                (``samples.attribute_behaviour``); each group's staleness (``training/staleness.py``) is reported,
+                and groups past ``config.max_off_policy`` are dropped before any token is read. Default: None,
+                every sample counts as on-policy. Not used by SFT.
             shard: SFT with ``sync`` only: ``(rank, ranks)``; this rank trains its part of every batch (the
                 ranks must run the same optimizer steps, so each gets all groups and takes a slice of each batch).
 
@@ -130,6 +133,7 @@ class GRPOTrainer:
 
         Raises:
             TrajectoryError: a group or trajectory cannot be trained on; nothing was changed.
+            ConfigError: ``config.max_off_policy`` is set but ``policy_step`` is not (staleness needs it).
             TrainingError: the loss or gradient was not finite; the step was not applied. Or an in-process
                 engine decodes this module and is not paused (``_ownership.py``); nothing was changed.
         """
@@ -138,11 +142,14 @@ class GRPOTrainer:
         t_start = time.perf_counter()
         objective = objective or GRPOObjective.from_config(config)
         with module_ownership(self.model).training():  # an engine sharing the module is paused until we are done
+            # 0. staleness: groups sampled too many steps ago are dropped before any of their tokens is read
+            kept, stale_metrics = _drop_stale(groups, config, policy_step)
             # 1. advantages: the objective weighs each trajectory from the rewards (GRPO drops groups that teach nothing)
-            weights = _weigh(groups, objective)
+            weights = _weigh([groups[i] for i in kept], objective, indices=kept)
             # 2. samples: token-exact from the records, each with its weight, behaviour log-probs and sampling step
-            sample_groups = self._samples(groups, weights, config, policy_step)
+            sample_groups = self._samples([groups[i] for i in kept], weights, config, policy_step)
             metrics = _group_metrics(groups, weights, sample_groups, config)
+            metrics.update(stale_metrics)
             work = self._plan(sample_groups, config, sync)
             if not work.num_sequences:
                 metrics.update(trained=0.0, seconds_total=time.perf_counter() - t_start)
@@ -407,17 +414,40 @@ def _sft_group_metrics(groups: Sequence[TrajectoryGroup]) -> StepMetrics:
             "rollout_exceptions": float(sum(len(g.exceptions) for g in groups))}
 
 
-def _weigh(groups: Sequence[TrajectoryGroup], objective: Objective) -> Weights:
-    """The objective's weights for ``groups``, after checking none is empty; warns about dropped groups."""
+def _drop_stale(groups: Sequence[TrajectoryGroup], config: TrainConfig,
+                policy_step: int | None) -> tuple[list[int], StepMetrics]:
+    """The indices of the groups within ``config.max_off_policy`` of ``policy_step`` (all of them without a bound),
+    and the staleness metrics (none without ``policy_step``); warns about the dropped groups.
+
+    Raises:
+        ConfigError: a bound is set but ``policy_step`` is not.
+    """
+    if policy_step is None:
+        if config.max_off_policy is not None:
+            raise ConfigError(f"TrainConfig(max_off_policy={config.max_off_policy}) needs train_step(policy_step=...), "
+                              "the checkpoint the module is at (the backends pass it): staleness is measured from it")
+        return list(range(len(groups))), {}
+    found = staleness(groups, policy_step, config.max_off_policy)
+    if found.stale:
+        warnings.warn(StaleGroupsWarning(found.message()), stacklevel=3)  # the caller of train_step
+    dropped = set(found.stale)
+    return [i for i in range(len(groups)) if i not in dropped], found.metrics()
+
+
+def _weigh(groups: Sequence[TrajectoryGroup], objective: Objective, indices: Sequence[int] | None = None) -> Weights:
+    """The objective's weights for ``groups``, after checking none is empty; warns about dropped groups (named by
+    ``indices[i]``, their places in the caller's list, when given)."""
     for i, group in enumerate(groups):
         if len(group) == 0:
-            raise TrajectoryError(f"group {i} is empty: every rollout of it failed or none was run "
+            raise TrajectoryError(f"group {indices[i] if indices is not None else i} is empty: every rollout of it "
+                                  "failed or none was run "
                                   f"({len(group.exceptions)} exception(s) recorded); drop it before training")
     weights = objective.weigh(groups)
     if weights.dropped:
+        named = [indices[i] for i in weights.dropped] if indices is not None else weights.dropped
         warnings.warn(ZeroVarianceGroupsWarning(
             f"{len(weights.dropped)} of {len(groups)} group(s) had equal rewards for every "
-            f"trajectory and were dropped (indices {weights.dropped[:10]}); shape the reward so "
+            f"trajectory and were dropped (indices {named[:10]}); shape the reward so "
             "that rollouts of one task differ"), stacklevel=3)  # the caller of train_step
     return weights
 

@@ -83,7 +83,8 @@ class _RaySteps:
 
     async def train(self, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig, *, step: int,
                     progress: Progress | None, return_gradients: bool = False) -> Trained:
-        result = await self.trainer.train(groups, config, return_gradients=return_gradients)
+        # The ranks' modules are at the checkpoint before this step: samples an older one drew are off-policy.
+        result = await self.trainer.train(groups, config, policy_step=step - 1, return_gradients=return_gradients)
         if progress is not None:  # the ranks report nothing until the step ends
             progress(len(groups), len(groups))
         files = result["checkpoint"]

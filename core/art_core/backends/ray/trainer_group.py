@@ -33,7 +33,7 @@ __all__ = ["TrainerGroup", "TrainerRank", "merge_rank_metrics"]
 _SHARDINGS = ("none", "fsdp", "auto")
 # Metrics each rank reports as its part of a whole-step value (trainer.py divides by the step's totals).
 _SUMMED = ("loss", "entropy", "ratio_mean", "clip_fraction", "kl", "is_weight_mean", "is_truncated_fraction",
-           "forward_tokens", "micro_batches", "samples_rerendered", "loss_first", "loss_last")
+           "forward_tokens", "micro_batches", "samples_rerendered", "samples_off_policy", "loss_first", "loss_last")
 
 
 class TrainerRank:
@@ -107,9 +107,10 @@ class TrainerRank:
                 dist.broadcast(p.data, src=0)
         return self.sharded
 
-    def train(self, groups: list[dict[str, Any]], config: dict[str, Any], *,
+    def train(self, groups: list[dict[str, Any]], config: dict[str, Any], *, policy_step: int | None = None,
               return_gradients: bool = False, return_checkpoint: bool = False) -> dict[str, Any]:
-        """One step on this rank's share; returns its metrics (and the checkpoint files, the gradients if asked)."""
+        """One step on this rank's share (``policy_step``: ``GRPOTrainer.train_step``'s); returns its metrics (and
+        the checkpoint files, the gradients if asked)."""
         import warnings
 
         from ...training.distributed import ShardedSync, TorchDistributedSync
@@ -122,7 +123,7 @@ class TrainerRank:
         with warnings.catch_warnings(record=True) as caught:  # the driver warns once, for the whole step
             warnings.simplefilter("always")
             metrics = self.trainer.train_step([TrajectoryGroup.model_validate(g) for g in groups],
-                                              settings, sync=sync, shard=shard)
+                                              settings, sync=sync, shard=shard, policy_step=policy_step)
         out: dict[str, Any] = {"metrics": metrics, "warnings": [str(w.message) for w in caught]}
         if return_gradients:
             out["gradients"] = dict(zip(self._names, sync.recorded, strict=True))
@@ -225,8 +226,11 @@ class TrainerGroup:
         return await self.ranks[0].adapter.remote()  # type: ignore[no-any-return]
 
     async def train(self, groups: Sequence[TrajectoryGroup], config: TrainConfig | SFTConfig, *,
-                    return_gradients: bool = False) -> dict[str, Any]:
+                    policy_step: int | None = None, return_gradients: bool = False) -> dict[str, Any]:
         """One step over all ranks (GRPO: each rank a share of the groups; SFT: each rank a slice of every batch).
+
+        ``policy_step`` is the checkpoint the ranks' modules are at (``GRPOTrainer.train_step``'s): each rank drops
+        its share's groups past ``config.max_off_policy``, and the merged metrics count staleness over all groups.
 
         Returns:
             ``metrics`` (merged over ranks), ``checkpoint`` (rank 0's files, when trained), ``shares`` (group
@@ -246,10 +250,17 @@ class TrainerGroup:
         config_data = config.model_dump(mode="json")
         replies = await asyncio.gather(*(
             rank.train.remote([groups[i].model_dump(mode="json") for i in share], config_data,
-                              return_gradients=return_gradients, return_checkpoint=r == 0)
+                              policy_step=policy_step, return_gradients=return_gradients,
+                              return_checkpoint=r == 0)
             for r, (rank, share) in enumerate(zip(self.ranks, shares, strict=True))))
         metrics = merge_rank_metrics([reply["metrics"] for reply in replies], groups,
                                      every_rank_all_groups=isinstance(config, SFTConfig))
+        if policy_step is not None and isinstance(config, TrainConfig):  # each rank counted its share only
+            from ...training.staleness import staleness
+
+            for key in [k for k in metrics if k.startswith(("groups_stale", "staleness_"))]:
+                del metrics[key]
+            metrics.update(staleness(groups, policy_step, config.max_off_policy).metrics())
         result: dict[str, Any] = {"metrics": metrics, "checkpoint": replies[0].get("checkpoint"), "shares": shares,
                                   "warnings": sorted({w for reply in replies for w in reply["warnings"]})}
         if return_gradients:

@@ -1,0 +1,282 @@
+"""``pipeline``: rollouts that never wait for training, with a bound on how stale a trained group may be.
+
+    report = await pipeline(model, tasks, play, steps=20, groups_per_step=4, max_off_policy=1, concurrency=8)
+
+``play(task)`` runs one group of rollouts of a task and returns its ``TrajectoryGroup`` (an adapter's
+``agent.group(task, n=8, reward=...)``, or a function around ``model.sample``). Up to ``concurrency`` of them run
+at once, continuously; a step starts as soon as ``groups_per_step`` groups are ready, on the stalest of them first
+(the oldest adapter step in their records), while rollouts go on.
+
+**The bound.** A group's staleness is the number of steps the adapter moved between sampling it and training on
+it (``art_core.training.staleness``). ``max_off_policy=m`` admits a new rollout only while the groups started so
+far would all be trained within m steps of the checkpoint that samples them (at most ``groups_per_step * (m + 1)``
+groups ahead of the last step), and passes ``m`` on as ``TrainConfig.max_off_policy``, so a group that still ends
+up staler (a slow rollout) is dropped and counted, never trained past the bound. ``max_off_policy=0`` is the
+synchronous loop: roll out one step's groups, train, repeat. Stale samples' importance ratios are taken against
+the sampler's recorded log-probs (exact off-policy correction).
+
+Rollouts overlap training only when the backend keeps serving during a step
+(``LocalBackend(pause_during_step=False)``); with the default policy they wait at the gateway during each step,
+and the pipeline still keeps ``concurrency`` rollouts queued for the moment it resumes.
+
+**Nothing is lost.** Each step writes its groups to disk before training (as ``model.train`` always does). A rollout
+that raises (or returns an empty group) is counted and the pipeline goes on. A step that raises stops the
+pipeline with that error, after cancelling the rollouts in flight; its trajectories stay on disk. Cancelling the
+pipeline (Ctrl-C) cancels the rollouts in flight and lets a step already training finish, so no checkpoint or
+history row is left half-written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from .config import TrainConfig
+from .errors import ConfigError
+from .training.staleness import group_sampling_step
+from .types import TrajectoryGroup
+
+if TYPE_CHECKING:
+    from .model import TrainableModel
+
+__all__ = ["PipelineReport", "StepReport", "pipeline"]
+
+T = TypeVar("T")
+
+
+@dataclass
+class StepReport:
+    """One step of a pipeline: what its progress line says."""
+
+    step: int
+    """The checkpoint served after the step (the one it wrote; the previous one when every group was dropped)."""
+    metrics: dict[str, Any]
+    """``model.train``'s metrics (``reward_mean``, ``staleness_mean``, ``groups_stale``, ...)."""
+    rollouts_failed: int
+    """Rollouts that raised or came back empty since the previous step."""
+    seconds_wall: float
+    """Since the previous step ended (or the pipeline started)."""
+    seconds_rollout: float
+    """Of that, seconds at least one rollout was running."""
+    seconds_train: float
+    """Of that, seconds this step was training."""
+    seconds_both: float
+    """Of that, seconds both ran at once."""
+
+    @property
+    def overlap(self) -> float:
+        """Share of the wall time both rolled out and trained."""
+        return self.seconds_both / self.seconds_wall if self.seconds_wall > 0 else 0.0
+
+    def line(self) -> str:
+        m = self.metrics
+        return (f"step {self.step}: reward {m.get('reward_mean', math.nan):.3f}, staleness mean "
+                f"{m.get('staleness_mean', 0.0):.2f} max {m.get('staleness_max', 0.0):.0f}, "
+                f"{m.get('groups_stale', 0.0):.0f} group(s) dropped as stale, {self.rollouts_failed} rollout(s) "
+                f"failed, {self.seconds_rollout:.1f}s rolling out, {self.seconds_train:.1f}s training, both at once "
+                f"{self.overlap:.0%} of {self.seconds_wall:.1f}s")
+
+
+@dataclass
+class PipelineReport:
+    """What ``pipeline`` returns: its steps, and the rollouts that failed."""
+
+    steps: list[StepReport] = field(default_factory=list)
+    rollouts_failed: int = 0
+    failures: list[BaseException] = field(default_factory=list)
+    """The first few rollout failures (at most 20), for a look at what went wrong."""
+
+
+class _Clock:
+    """Seconds with rollouts running, with a step training, and with both, since the last ``lap``."""
+
+    def __init__(self) -> None:
+        self.rollouts = 0
+        self.training = False
+        self._last = self._lap_start = time.perf_counter()
+        self.rollout = self.train = self.both = 0.0
+
+    def _advance(self) -> None:
+        now = time.perf_counter()
+        dt, self._last = now - self._last, now
+        self.rollout += dt if self.rollouts else 0.0
+        self.train += dt if self.training else 0.0
+        self.both += dt if self.rollouts and self.training else 0.0
+
+    @contextlib.contextmanager
+    def rolling_out(self) -> Iterator[None]:
+        self._advance()
+        self.rollouts += 1
+        try:
+            yield
+        finally:
+            self._advance()
+            self.rollouts -= 1
+
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[None]:
+        self._advance()
+        self.training = True
+        try:
+            yield
+        finally:
+            self._advance()
+            self.training = False
+
+    def lap(self) -> tuple[float, float, float, float]:
+        """(wall, rollout, train, both) seconds since the last lap; starts a new one."""
+        self._advance()
+        out = (self._last - self._lap_start, self.rollout, self.train, self.both)
+        self._lap_start, self.rollout, self.train, self.both = self._last, 0.0, 0.0, 0.0
+        return out
+
+
+@dataclass
+class _Ready(Generic[T]):
+    group: TrajectoryGroup
+    order: int
+
+    @property
+    def key(self) -> tuple[float, int]:
+        step = group_sampling_step(self.group)
+        return (math.inf if step is None else step, self.order)  # stalest first; unknown steps last
+
+
+def stalest_first(ready: list[_Ready[Any]], count: int) -> list[TrajectoryGroup]:
+    """Take the ``count`` stalest groups out of ``ready`` (ties: the one that finished first)."""
+    ready.sort(key=lambda r: r.key)
+    taken, ready[:] = ready[:count], ready[count:]
+    return [r.group for r in taken]
+
+
+async def pipeline(model: TrainableModel, tasks: Iterable[T], play: Callable[[T], Awaitable[TrajectoryGroup]], *,
+                   steps: int, groups_per_step: int, max_off_policy: int = 1, concurrency: int = 4,
+                   config: TrainConfig | None = None,
+                   log: Callable[[str], None] | None = print) -> PipelineReport:
+    """Roll out ``tasks`` continuously and train ``steps`` steps on the groups as they are ready.
+
+    Args:
+        model: a registered model (any backend).
+        tasks: what to roll out, in order (``itertools.cycle(tasks)`` for epochs). If it runs out, the steps that
+            can still be filled run, then the pipeline returns.
+        play: one task -> one ``TrajectoryGroup`` (its rollouts and rewards).
+        steps: training steps to run.
+        groups_per_step: groups each step trains on.
+        max_off_policy: the staleness bound (module docstring); 0 is the synchronous loop. Default 1.
+        concurrency: most rollouts (``play`` calls) running at once. Default 4.
+        config: the steps' settings; its ``max_off_policy`` is replaced by this call's. Default ``TrainConfig()``.
+        log: gets one progress line per step (``StepReport.line``); None: silent. Default ``print``.
+
+    Returns:
+        A ``PipelineReport``.
+
+    Raises:
+        ConfigError: a count is below 1 or ``max_off_policy`` is negative (before any rollout).
+        Exception: what a step raised; the pipeline stopped there, that step's trajectories are on disk.
+        asyncio.CancelledError: the pipeline was cancelled (a step in progress finished first).
+    """
+    for name, value, low in (("steps", steps, 1), ("groups_per_step", groups_per_step, 1),
+                             ("concurrency", concurrency, 1), ("max_off_policy", max_off_policy, 0)):
+        if not isinstance(value, int) or value < low:
+            raise ConfigError(f"pipeline({name}={value!r}): give an int >= {low}")
+    settings = (config or TrainConfig()).model_copy(update={"max_off_policy": max_off_policy})
+    return await _Pipeline(model, iter(tasks), play, steps, groups_per_step, max_off_policy, concurrency, settings,
+                           log).run()
+
+
+class _Pipeline(Generic[T]):
+    def __init__(self, model: TrainableModel, tasks: Iterator[T], play: Callable[[T], Awaitable[TrajectoryGroup]],
+                 steps: int, groups_per_step: int, max_off_policy: int, concurrency: int, config: TrainConfig,
+                 log: Callable[[str], None] | None) -> None:
+        self.model, self.tasks, self.play, self.steps = model, tasks, play, steps
+        self.per_step, self.bound, self.concurrency, self.config, self.log = (groups_per_step, max_off_policy,
+                                                                              concurrency, config, log)
+        self.report = PipelineReport()
+        self.clock = _Clock()
+        self.ready: list[_Ready[T]] = []
+        self.rollouts: set[asyncio.Task[None]] = set()
+        self.changed = asyncio.Event()  # a rollout or a step ended: look again at what can start
+        self.admitted = 0  # rollouts started that still count toward a step (failed and stale ones do not)
+        self.done_steps = 0
+        self.failed_since_step = 0
+        self.finished = 0  # groups that came back ready, in order
+        self.exhausted = False
+
+    async def run(self) -> PipelineReport:
+        step: asyncio.Task[Any] | None = None
+        try:
+            while self.done_steps < self.steps:
+                self._start_rollouts()
+                if step is None and len(self.ready) >= self.per_step:
+                    step = asyncio.create_task(self._step(stalest_first(self.ready, self.per_step)))
+                    step.add_done_callback(lambda _: self.changed.set())
+                if step is None and self.exhausted and not self.rollouts:
+                    break  # no task left and too few groups for another step
+                self.changed.clear()
+                await self.changed.wait()
+                if step is not None and step.done():
+                    finished, step = step, None
+                    finished.result()  # a failed step stops the pipeline with its error
+        except BaseException:
+            for task in self.rollouts:
+                task.cancel()
+            await asyncio.gather(*self.rollouts, return_exceptions=True)
+            if step is not None and not step.done():  # let the step finish: no half-written checkpoint or row
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(step)
+            raise
+        for task in self.rollouts:  # enough steps: rollouts still running are not needed
+            task.cancel()
+        await asyncio.gather(*self.rollouts, return_exceptions=True)
+        return self.report
+
+    def _start_rollouts(self) -> None:
+        # Admit while the groups started would all be trained within `bound` steps of the checkpoint sampling them.
+        limit = self.per_step * (self.done_steps + 1 + self.bound)
+        while not self.exhausted and len(self.rollouts) < self.concurrency and self.admitted < limit:
+            try:
+                task = next(self.tasks)
+            except StopIteration:
+                self.exhausted = True
+                return
+            self.admitted += 1
+            rollout = asyncio.create_task(self._rollout(task))
+            self.rollouts.add(rollout)
+            rollout.add_done_callback(self._rollout_done)
+
+    def _rollout_done(self, task: asyncio.Task[None]) -> None:
+        self.rollouts.discard(task)
+        self.changed.set()
+
+    async def _rollout(self, task: T) -> None:
+        with self.clock.rolling_out():
+            try:
+                group = await self.play(task)
+                if len(group) == 0:
+                    raise ValueError(f"every rollout of the group failed ({len(group.exceptions)} exception(s))")
+            except Exception as exc:  # counted, reported, and replaced by the next task
+                self.admitted -= 1
+                self.failed_since_step += 1
+                self.report.rollouts_failed += 1
+                if len(self.report.failures) < 20:
+                    self.report.failures.append(exc)
+                return
+        self.ready.append(_Ready(group, self.finished))
+        self.finished += 1
+
+    async def _step(self, groups: list[TrajectoryGroup]) -> None:
+        with self.clock.stepping():
+            metrics = await self.model.train(groups, config=self.config)
+        self.admitted -= int(metrics.get("groups_stale", 0))  # dropped: their places go to new rollouts
+        self.done_steps += 1
+        wall, rollout, train, both = self.clock.lap()
+        report = StepReport(self.model.step, dict(metrics), self.failed_since_step, wall, rollout, train, both)
+        self.failed_since_step = 0
+        self.report.steps.append(report)
+        if self.log is not None:
+            self.log(report.line())

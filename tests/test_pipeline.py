@@ -1,0 +1,196 @@
+"""``art_core.pipeline``: rollouts and steps run side by side within a staleness bound.
+
+Real steps on the tiny model through ``LocalBackend``; each rollout is a real ``model.sample`` (rewards by index, so
+every group teaches something). "A step in progress" and "a rollout in flight" are held by gates the test opens
+(``StepGate``, events), never by sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from art_core import LocalBackend, TrainableModel, TrainConfig, TrajectoryError, TrajectoryGroup, pipeline
+from art_core.backends import TransformersOptions
+
+sys.path.insert(0, str(Path(__file__).parent / "backends"))
+from test_step_contract import CHAT, StepGate, _until  # noqa: E402
+
+CONFIG = TrainConfig(learning_rate=1e-2)
+
+
+async def _play_sample(model: TrainableModel) -> TrajectoryGroup:
+    """One group: two real samples, rewarded 0 and 1."""
+    sampled = await model.sample(CHAT, n=2, max_tokens=3, temperature=1.0)
+    return TrajectoryGroup(t.model_copy(update={"reward": float(i)}) for i, t in enumerate(sampled))
+
+
+async def _registered(tmp_path: Path, tiny_model_dir: Path, **options: Any) -> AsyncIterator[TrainableModel]:
+    model = TrainableModel(name="pipe", base_model=tiny_model_dir)
+    async with LocalBackend(path=tmp_path, show_progress=False, **options) as backend:
+        await model.register(backend)
+        yield model
+
+
+@pytest.fixture
+async def model(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[TrainableModel]:
+    async for registered in _registered(tmp_path, tiny_model_dir):
+        yield registered
+
+
+def _runner(model: TrainableModel) -> Any:
+    return model.backend._models.get(model.spec).steps
+
+
+async def test_max_off_policy_0_is_the_synchronous_loop(model: TrainableModel) -> None:
+    started: list[int] = []
+    lines: list[str] = []
+
+    async def play(task: int) -> TrajectoryGroup:
+        started.append(model.step)
+        return await _play_sample(model)
+
+    report = await pipeline(model, itertools.count(), play, steps=2, groups_per_step=2, max_off_policy=0,
+                            concurrency=4, config=CONFIG, log=lines.append)
+    assert started == [0, 0, 1, 1]  # each step's rollouts start once the step before it is served
+    assert [s.step for s in report.steps] == [1, 2] and model.step == 2
+    for row in await model.history():
+        assert row["groups_staleness_0"] == 2 and row["groups_stale"] == 0 and row["samples_off_policy"] == 0
+    assert len(lines) == 2 and lines[0].startswith("step 1: reward 0.500, staleness mean 0.00 max 0, 0 group(s) "
+                                                   "dropped as stale, 0 rollout(s) failed")
+
+
+async def test_rollouts_go_on_while_a_step_trains_and_the_next_step_corrects_for_them(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    async for model in _registered(tmp_path, tiny_model_dir, pause_during_step=False,
+                                   transformers=TransformersOptions(separate_module=True)):
+        gate = StepGate(_runner(model))
+        done: list[int] = []
+        four_done = asyncio.Event()
+
+        async def play(task: int) -> TrajectoryGroup:
+            if task >= 2:  # the next step's rollouts sample while step 1 is held mid-training
+                await asyncio.to_thread(gate.entered.wait)
+            group = await _play_sample(model)
+            done.append(model.step)
+            if len(done) == 4:
+                four_done.set()
+            return group
+
+        running = asyncio.create_task(pipeline(model, itertools.count(), play, steps=2, groups_per_step=2,
+                                               max_off_policy=1, concurrency=4, config=CONFIG, log=None))
+        await gate.wait_entered()
+        await four_done.wait()  # the next step's groups were rolled out while step 1 was held mid-training
+        assert done == [0, 0, 0, 0] and not running.done()
+        gate.open()
+        report = await running
+        second = (await model.history())[1]
+        assert second["groups_staleness_1"] == 2 and second["groups_stale"] == 0  # sampled by 0, trained from 1
+        assert second["samples_off_policy"] == 4  # their ratios are taken against the sampler's log-probs
+        assert report.steps[0].seconds_both > 0 and report.steps[0].overlap > 0
+
+
+async def test_a_failed_rollout_is_counted_and_the_pipeline_goes_on(model: TrainableModel) -> None:
+    async def play(task: int) -> TrajectoryGroup:
+        if task == 1:
+            raise RuntimeError("the agent crashed")
+        return await _play_sample(model)
+
+    report = await pipeline(model, itertools.count(), play, steps=2, groups_per_step=2, max_off_policy=0,
+                            concurrency=2, config=CONFIG, log=None)
+    assert model.step == 2 and report.rollouts_failed == 1
+    assert [s.rollouts_failed for s in report.steps] == [1, 0]
+    assert str(report.failures[0]) == "the agent crashed"
+    assert "1 rollout(s) failed" in report.steps[0].line()
+
+
+async def test_a_failed_step_stops_the_pipeline_with_its_trajectories_on_disk(model: TrainableModel) -> None:
+    cancelled: list[int] = []
+    never = asyncio.Event()
+
+    async def play(task: int) -> TrajectoryGroup:
+        if task >= 2:  # the next step's rollouts are in flight when the first step fails
+            try:
+                await never.wait()
+            except asyncio.CancelledError:
+                cancelled.append(task)
+                raise
+        return await _play_sample(model)
+
+    too_short = TrainConfig(learning_rate=1e-2, max_sequence_length=16)  # the chat's prompt alone is longer
+    with pytest.raises(TrajectoryError, match="max_sequence_length=16"):
+        await pipeline(model, itertools.count(), play, steps=3, groups_per_step=2, max_off_policy=1,
+                       concurrency=4, config=too_short, log=None)
+    assert sorted(cancelled) == [2, 3] and model.step == 0
+    saved = model.backend.model_dir(model.spec) / "trajectories" / "0001.jsonl"
+    assert len(saved.read_text().splitlines()) == 2  # the failed step's groups, on disk
+
+
+async def test_cancelling_stops_cleanly_after_the_step_in_progress(model: TrainableModel) -> None:
+    gate = StepGate(_runner(model))
+    cancelled: list[int] = []
+    in_flight = asyncio.Event()
+
+    async def play(task: int) -> TrajectoryGroup:
+        if task >= 2:
+            try:
+                in_flight.set()
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cancelled.append(task)
+                raise
+        return await _play_sample(model)
+
+    running = asyncio.create_task(pipeline(model, itertools.count(), play, steps=3, groups_per_step=2,
+                                           max_off_policy=1, concurrency=4, config=CONFIG, log=None))
+    await gate.wait_entered()
+    await in_flight.wait()
+    running.cancel()  # Ctrl-C while step 1 trains and rollouts run
+    await _until(lambda: len(cancelled) == 2)
+    assert not running.done()  # the step in progress finishes first
+    gate.open()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    folder = model.backend.model_dir(model.spec)
+    assert await model.checkpoints() == [1] and [row["step"] for row in await model.history()] == [1]
+    assert [p.name for p in (folder / "trajectories").iterdir()] == ["0001.jsonl"]
+    assert not [p for p in folder.rglob("*") if p.name.startswith(".") or p.name.endswith(".tmp")]  # nothing partial
+
+
+def test_stalest_groups_are_trained_first() -> None:
+    from art_core import CallRecord, Trajectory
+    from art_core.pipeline import _Ready, stalest_first
+
+    def sampled_at(step: int | None) -> TrajectoryGroup:
+        return TrajectoryGroup([Trajectory(calls=[CallRecord(prompt_token_ids=[1], completion_token_ids=[2],
+                                                             adapter_step=step)])])
+
+    ready = [_Ready(sampled_at(s), order) for order, s in enumerate([3, None, 1, 3, 2])]
+    taken = stalest_first(ready, 3)
+    assert [g.trajectories[0].calls[0].adapter_step for g in taken] == [1, 2, 3]
+    assert [r.order for r in ready] == [3, 1]  # left: the later of the two step-3 groups, then the unknown one
+
+
+async def test_the_readmes_asynchronous_training_example_runs(tiny_model_dir: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    import json
+    import re
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Asynchronous training", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert 'base_model="smollm2-135m-instruct"' in code
+    code = code.replace('base_model="smollm2-135m-instruct"', f"base_model={str(tiny_model_dir)!r}")
+    monkeypatch.chdir(tmp_path)
+    await asyncio.to_thread(exec, compile(code, "README.md", "exec"), {"__name__": "readme"})  # asyncio.run inside
+    out = capsys.readouterr().out
+    assert "3 [True, True, True]" in out and out.count("step ") >= 3 and "dropped as stale" in out
+    history = tmp_path / ".art" / "demo" / "models" / "adder-async" / "history.jsonl"
+    rows = [json.loads(line) for line in history.read_text().splitlines()]
+    assert len(rows) == 3 and all(row["staleness_max"] <= 1 for row in rows)
