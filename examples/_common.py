@@ -292,8 +292,8 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
     result = LearningResult(title or model.name, before, before, model_dir=model.model_dir)
     if demo_tasks:
         assert demonstrate is not None and sft_config is not None  # _check_demonstrations saw to both
-        await _warm_start(model, demonstrate, demo_tasks, sft_config, result, console)
-        if settings.steps:  # with no GRPO step, the evaluation after training is this one
+        trained = await _warm_start(model, demonstrate, demo_tasks, sft_config, result, console)
+        if trained and settings.steps:  # with no GRPO step, the evaluation after training is this one
             with console.status(f"held-out evaluation after the SFT step ({runs} runs)..."):
                 t0 = time.perf_counter()
                 result.success_after_sft = await evaluate(measure, eval_tasks, rollouts=settings.eval_rollouts,
@@ -330,7 +330,7 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
         result.success_after = await evaluate(measure, eval_tasks, rollouts=settings.eval_rollouts, seed=settings.seed)
     console.print(f"held-out success after training: [bold]{result.success_after:.1%}[/] "
                   f"({time.perf_counter() - t0:.0f}s)")
-    if demo_tasks and result.success_after_sft is None:
+    if result.sft_loss is not None and result.success_after_sft is None:
         result.success_after_sft = result.success_after
     result.seconds = time.perf_counter() - started
     await model.finish_tracking()  # the trackers' runs end with the example (a later run of the model resumes them)
@@ -355,8 +355,12 @@ def _check_demonstrations(demos: int, demonstrate: Demonstrate[T] | None, demo_t
 
 
 async def _warm_start(model: TrainableModel, demonstrate: Demonstrate[T], tasks: Sequence[T], config: SFTConfig,
-                      result: LearningResult, console: Console) -> None:
-    """Collect one demonstration per task, then one SFT step on those that succeeded; one progress line."""
+                      result: LearningResult, console: Console) -> bool:
+    """Collect one demonstration per task, then one SFT step on those that succeeded; one progress line.
+
+    Returns:
+        Whether the SFT step ran (not when no demonstration succeeded).
+    """
     t0 = time.perf_counter()
     with console.status(f"sft: {len(tasks)} demonstrations from the teacher..."):
         demonstrations = list(await demonstrate(tasks))
@@ -367,7 +371,7 @@ async def _warm_start(model: TrainableModel, demonstrate: Demonstrate[T], tasks:
     if not good:
         console.print(f"sft: none of the {len(demonstrations)} demonstrations succeeded: no SFT step; "
                       "check the teacher", soft_wrap=True)
-        return
+        return False
     with console.status(f"sft: {config.epochs} epoch(s) on {len(good)} demonstrations..."):
         metrics = await model.train_sft(good, config=config)
     result.sft_loss = float(metrics["loss"])
@@ -376,6 +380,7 @@ async def _warm_start(model: TrainableModel, demonstrate: Demonstrate[T], tasks:
                   f"loss {metrics.get('loss_first', result.sft_loss):.3f} -> {metrics.get('loss_last', result.sft_loss):.3f}"
                   f"  epochs {config.epochs}  demos {t1 - t0:3.0f}s  train {time.perf_counter() - t1:3.0f}s",
                   soft_wrap=True)
+    return True
 
 
 # -- output --------------------------------------------------------------------------------------------
