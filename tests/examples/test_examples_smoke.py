@@ -152,6 +152,28 @@ async def test_tic_tac_toe(tiny_model_dir, tmp_path):
     check_run(result)
 
 
+async def test_tic_tac_toe_warm_starts_with_sft_on_minimax_games(tiny_model_dir, tmp_path):
+    """``--demos 2``: two games of the unchanged graph with the minimax expert's moves, the won ones trained on."""
+    from art_core import read_groups_jsonl
+    from examples import tic_tac_toe
+    from examples._common import parse_settings
+    from examples.tic_tac_toe.expert import best_move, parse_board
+
+    result = await tic_tac_toe.run(parse_settings("tic-tac-toe", tiny(tiny_model_dir, tmp_path), ["--demos", "2"]))
+    check_run(result)
+    assert result.demos == 2 and result.demos_trained >= 1 and result.sft_loss is not None
+    history = [json.loads(line) for line in (result.model_dir / "history.jsonl").read_text().splitlines()]
+    assert (history[0]["kind"], history[0]["step"]) == ("sft", 1)
+    (group,) = read_groups_jsonl(result.model_dir / "trajectories" / "0001.jsonl")
+    assert len(group.trajectories) == result.demos_trained
+    for game in group.trajectories:
+        assert game.metadata["demonstration"] is True and game.metrics["success"] == 1.0
+        for turn in game.histories():  # one per move: the board it saw, the expert's move on it
+            board = parse_board(next(m for m in turn.messages if m.role == "user").text())
+            args = json.loads(turn.messages[-1].tool_calls[0].function.arguments)
+            assert (args["row"] - 1) * 3 + args["col"] - 1 == best_move(board)
+
+
 async def test_game_2048(tiny_model_dir, tmp_path):
     from examples import game_2048
 
