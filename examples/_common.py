@@ -7,11 +7,15 @@ An example supplies three things and calls ``learn``:
   ``trajectory.metrics["success"]`` (1.0 when the agent did its job) and, when the agent calls tools,
   ``trajectory.metrics["valid_tool_calls"]`` (the share of its tool calls that were well formed and allowed);
 - the training tasks and the held-out tasks (fixed seeds);
-- a ``TrainConfig``.
+- a ``TrainConfig``;
+- optionally, for an SFT warm start (``--demos N``): ``demonstrate(tasks) -> trajectories``, its agent run once
+  per task in demonstration mode (``agent.demonstrations(teacher)``: a stronger model answers the agent's calls),
+  and the demonstration tasks (their own seed, apart from the held-out tasks).
 
-``learn`` measures the held-out success rate, trains ``steps`` GRPO steps printing one line per step
-(reward mean and spread, success, tool-call validity, seconds per phase), measures again, and writes the
-learning curve next to the checkpoints.
+``learn`` measures the held-out success rate; with ``--demos N`` it collects N demonstrations, trains one SFT step
+on those that succeeded (``model.train_sft``) and measures again; then it trains ``steps`` GRPO steps on the same
+adapter, printing one line per step (reward mean and spread, success, tool-call validity, seconds per phase),
+measures again, and writes the learning curve next to the checkpoints.
 """
 
 from __future__ import annotations
@@ -29,18 +33,22 @@ from typing import Any, TypeVar
 
 from rich.console import Console
 
-from art_core import LocalBackend, TrainableModel, TrainConfig, TrajectoryGroup
+from art_core import LocalBackend, SFTConfig, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
 from art_core.errors import ConfigError
 from art_core.models import EMBEDDED_MODEL
 from art_core.tracking import TRACKER_NAMES
 
-__all__ = ["ExampleSettings", "LearningResult", "StepStats", "evaluate", "learn", "open_backend", "parse_settings",
-           "plot_curve", "sparkline"]
+__all__ = ["Demonstrate", "ExampleSettings", "LearningResult", "StepStats", "evaluate", "learn", "open_backend",
+           "parse_settings", "plot_curve", "sparkline"]
 
 T = TypeVar("T")
 Play = Callable[[T, int, int], Awaitable[TrajectoryGroup]]
 """``play(task, n, seed)``: ``n`` scored rollouts of the agent on ``task``; ``seed`` seeds the group's sampling
 (``agent.group(..., seed=seed)``), so that the held-out evaluation and the training groups can be replayed."""
+Demonstrate = Callable[[Sequence[T]], Awaitable[Sequence[Trajectory]]]
+"""``demonstrate(tasks)``: the agent run once per task in demonstration mode (its trainable calls answered by a
+teacher: ``async with agent.demonstrations(teacher) as demo``), each trajectory scored as ``play`` scores them (with
+``metrics["success"]``), in the order of ``tasks``."""
 
 
 # -- flags ---------------------------------------------------------------------------------------------
@@ -74,6 +82,12 @@ class ExampleSettings:
     report_to: tuple[str, ...] = ()
     """Experiment trackers for ``TrainableModel(report_to=...)``: ``wandb``, ``mlflow``, ``tensorboard``,
     ``trackio`` (empty: none)."""
+    demos: int = 0
+    """Demonstrations for an SFT warm start before the GRPO steps (tasks of their own seed). 0: off, RL alone."""
+    sft_epochs: int = 3
+    """Passes over the demonstrations in the SFT step: a handful of demonstrations need more than one."""
+    sft_learning_rate: float = 1e-3
+    """Peak rate of the SFT step (linear decay): high for LoRA, as the GRPO rate is, so a few demonstrations tell."""
 
 
 def parse_settings(description: str, defaults: ExampleSettings, argv: Sequence[str] | None = None) -> ExampleSettings:
@@ -110,12 +124,21 @@ def parse_settings(description: str, defaults: ExampleSettings, argv: Sequence[s
     parser.add_argument("--report-to", nargs="+", choices=TRACKER_NAMES, default=list(defaults.report_to),
                         metavar="TRACKER", help=f"send each step to these trackers ({', '.join(TRACKER_NAMES)}); "
                         "see the README's 'Experiment tracking'")
+    parser.add_argument("--demos", type=int, default=defaults.demos,
+                        help="SFT warm start: demonstrations from the example's teacher, trained on before the GRPO "
+                        "steps (default: %(default)s, off)")
+    parser.add_argument("--sft-epochs", type=int, default=defaults.sft_epochs,
+                        help="passes over the demonstrations in the SFT step (default: %(default)s)")
+    parser.add_argument("--sft-learning-rate", type=float, default=defaults.sft_learning_rate,
+                        help="peak learning rate of the SFT step (default: %(default)s)")
     args = parser.parse_args(argv)
     args.report_to = tuple(args.report_to)
-    for flag in ("steps", "groups", "rollouts", "held_out", "eval_rollouts"):
-        if getattr(args, flag) < (0 if flag == "steps" else 1):
-            parser.error(f"--{flag.replace('_', '-')} must be at least {0 if flag == 'steps' else 1}, "
-                         f"got {getattr(args, flag)}")
+    least = {"steps": 0, "demos": 0, "groups": 1, "rollouts": 1, "held_out": 1, "eval_rollouts": 1, "sft_epochs": 1}
+    for flag, low in least.items():
+        if getattr(args, flag) < low:
+            parser.error(f"--{flag.replace('_', '-')} must be at least {low}, got {getattr(args, flag)}")
+    if not args.sft_learning_rate > 0:
+        parser.error(f"--sft-learning-rate must be positive, got {args.sft_learning_rate}")
     return ExampleSettings(**vars(args))
 
 
@@ -166,6 +189,16 @@ class LearningResult:
     seconds: float = 0.0
     model_dir: Path | None = None
     curve_png: Path | None = None
+    demos: int = 0
+    """Demonstrations collected for the SFT warm start (0: no warm start)."""
+    demos_trained: int = 0
+    """Those the SFT step trained on: the demonstrations that succeeded."""
+    sft_loss: float | None = None
+    """Mean loss of the SFT step's optimizer steps (None: no SFT step)."""
+    success_after_sft: float | None = None
+    """Held-out success rate after the SFT step, before any GRPO step (None: no SFT step)."""
+    sft_seconds: float = 0.0
+    """Collecting the demonstrations and the SFT step (not the evaluation after it)."""
 
     @property
     def rewards(self) -> list[float]:
@@ -175,7 +208,9 @@ class LearningResult:
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "success_before": self.success_before, "success_after": self.success_after,
                 "seconds": round(self.seconds, 1), "steps": [asdict(s) for s in self.steps],
-                "model_dir": str(self.model_dir), "curve_png": str(self.curve_png)}
+                "model_dir": str(self.model_dir), "curve_png": str(self.curve_png), "demos": self.demos,
+                "demos_trained": self.demos_trained, "sft_loss": self.sft_loss,
+                "success_after_sft": self.success_after_sft, "sft_seconds": round(self.sft_seconds, 1)}
 
 
 MAX_CONCURRENT_ROLLOUTS = 16
@@ -204,9 +239,11 @@ async def evaluate(play: Play[T], tasks: Sequence[T], *, rollouts: int, seed: in
 
 
 async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T], eval_tasks: Sequence[T],
-                settings: ExampleSettings, measure: Play[T] | None = None, config: TrainConfig | None = None, console: Console | None = None,
-                title: str = "") -> LearningResult:
-    """Evaluate, train ``settings.steps`` GRPO steps with live progress, evaluate again, plot the curve.
+                settings: ExampleSettings, measure: Play[T] | None = None, config: TrainConfig | None = None,
+                console: Console | None = None, title: str = "", demonstrate: Demonstrate[T] | None = None,
+                demo_tasks: Sequence[T] = (), sft_config: SFTConfig | None = None) -> LearningResult:
+    """Evaluate; with ``settings.demos``, warm-start with SFT on demonstrations and evaluate; train
+    ``settings.steps`` GRPO steps with live progress, evaluate again, plot the curve.
 
     Args:
         model: registered with a backend.
@@ -219,12 +256,19 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
         config: GRPO settings; default: ``TrainConfig(learning_rate=settings.learning_rate)``.
         console: where to print.
         title: names the run in the output.
+        demonstrate: runs the agent in demonstration mode on tasks (see ``Demonstrate``); needed when
+            ``settings.demos`` > 0.
+        demo_tasks: at least ``settings.demos`` tasks for the demonstrations (the first ones are used), none of
+            them a held-out task.
+        sft_config: the SFT step's settings; default: ``settings.sft_epochs`` passes at
+            ``settings.sft_learning_rate``, 4 demonstrations per optimizer step.
 
     Returns:
-        The held-out success before and after, and each step's figures.
+        The held-out success before, after the SFT step (if any) and after, and each step's figures.
 
     Raises:
-        ConfigError: fewer training tasks than steps x groups.
+        ConfigError: fewer training tasks than steps x groups; ``settings.demos`` > 0 and the example has no
+            ``demonstrate``, too few demonstration tasks, or some of them held out.
     """
     console = console or Console(soft_wrap=True)
     config = config or TrainConfig(learning_rate=settings.learning_rate)
@@ -232,6 +276,11 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
     if len(train_tasks) < needed:
         raise ConfigError(f"learn() needs {needed} training tasks ({settings.steps} steps x {settings.groups} "
                           f"groups), got {len(train_tasks)}")
+    demo_tasks = list(demo_tasks[:settings.demos]) if settings.demos else []
+    if settings.demos:
+        _check_demonstrations(settings.demos, demonstrate, demo_tasks, eval_tasks, title or model.name)
+        sft_config = sft_config or SFTConfig(epochs=settings.sft_epochs, learning_rate=settings.sft_learning_rate,
+                                             batch_size=min(4, settings.demos))
     measure = measure or play
     started = time.perf_counter()
     runs = f"{len(eval_tasks)} tasks x {settings.eval_rollouts}"
@@ -241,6 +290,16 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
     console.print(f"held-out success before training: [bold]{before:.1%}[/] ({runs} runs, "
                   f"{time.perf_counter() - t0:.0f}s)")
     result = LearningResult(title or model.name, before, before, model_dir=model.model_dir)
+    if demo_tasks:
+        assert demonstrate is not None and sft_config is not None  # _check_demonstrations saw to both
+        trained = await _warm_start(model, demonstrate, demo_tasks, sft_config, result, console)
+        if trained and settings.steps:  # with no GRPO step, the evaluation after training is this one
+            with console.status(f"held-out evaluation after the SFT step ({runs} runs)..."):
+                t0 = time.perf_counter()
+                result.success_after_sft = await evaluate(measure, eval_tasks, rollouts=settings.eval_rollouts,
+                                                          seed=settings.seed)
+            console.print(f"held-out success after SFT: [bold]{result.success_after_sft:.1%}[/] "
+                          f"({time.perf_counter() - t0:.0f}s)")
     for step in range(settings.steps):
         batch = train_tasks[step * settings.groups:(step + 1) * settings.groups]
         t0 = time.perf_counter()
@@ -271,12 +330,57 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
         result.success_after = await evaluate(measure, eval_tasks, rollouts=settings.eval_rollouts, seed=settings.seed)
     console.print(f"held-out success after training: [bold]{result.success_after:.1%}[/] "
                   f"({time.perf_counter() - t0:.0f}s)")
+    if result.sft_loss is not None and result.success_after_sft is None:
+        result.success_after_sft = result.success_after
     result.seconds = time.perf_counter() - started
     await model.finish_tracking()  # the trackers' runs end with the example (a later run of the model resumes them)
     result.curve_png = plot_curve(result, model.model_dir / "learning_curve.png")
     (model.model_dir / "learning_result.json").write_text(json.dumps(result.to_json(), indent=1))
     _summary(result, console)
     return result
+
+
+def _check_demonstrations(demos: int, demonstrate: Demonstrate[T] | None, demo_tasks: Sequence[T],
+                          eval_tasks: Sequence[T], name: str) -> None:
+    """Refuse a warm start that cannot run, or that would train on held-out tasks, before any work."""
+    if demonstrate is None:
+        raise ConfigError(f"--demos {demos}: {name} has no teacher for demonstrations; run it without --demos "
+                          "(the examples with one say so in examples/README.md)")
+    if len(demo_tasks) < demos:
+        raise ConfigError(f"--demos {demos} needs {demos} demonstration tasks, got {len(demo_tasks)}")
+    held_out = [task for task in demo_tasks if task in eval_tasks]
+    if held_out:
+        raise ConfigError(f"{len(held_out)} demonstration task(s) are also held-out tasks (first: {held_out[0]!r}): "
+                          "draw the demonstration tasks apart from the held-out ones")
+
+
+async def _warm_start(model: TrainableModel, demonstrate: Demonstrate[T], tasks: Sequence[T], config: SFTConfig,
+                      result: LearningResult, console: Console) -> bool:
+    """Collect one demonstration per task, then one SFT step on those that succeeded; one progress line.
+
+    Returns:
+        Whether the SFT step ran (not when no demonstration succeeded).
+    """
+    t0 = time.perf_counter()
+    with console.status(f"sft: {len(tasks)} demonstrations from the teacher..."):
+        demonstrations = list(await demonstrate(tasks))
+    t1 = time.perf_counter()
+    # SFT imitates every token it is given: a failed demonstration would teach its mistake.
+    good = [t for t in demonstrations if t.metrics.get("success", 0.0) >= 1.0]
+    result.demos, result.demos_trained = len(demonstrations), len(good)
+    if not good:
+        console.print(f"sft: none of the {len(demonstrations)} demonstrations succeeded: no SFT step; "
+                      "check the teacher", soft_wrap=True)
+        return False
+    with console.status(f"sft: {config.epochs} epoch(s) on {len(good)} demonstrations..."):
+        metrics = await model.train_sft(good, config=config)
+    result.sft_loss = float(metrics["loss"])
+    result.sft_seconds = time.perf_counter() - t0
+    console.print(f"sft     demos {len(demonstrations)} ({len(good)} succeeded, trained on)  "
+                  f"loss {metrics.get('loss_first', result.sft_loss):.3f} -> {metrics.get('loss_last', result.sft_loss):.3f}"
+                  f"  epochs {config.epochs}  demos {t1 - t0:3.0f}s  train {time.perf_counter() - t1:3.0f}s",
+                  soft_wrap=True)
+    return True
 
 
 # -- output --------------------------------------------------------------------------------------------
@@ -317,6 +421,9 @@ def plot_curve(result: LearningResult, path: Path) -> Path | None:
     last = steps[-1] if steps else 1
     ax.scatter([0, last], [result.success_before, result.success_after], color="black", zorder=3,
                label=f"held-out success {result.success_before:.0%} → {result.success_after:.0%}")
+    if result.success_after_sft is not None:
+        ax.scatter([0], [result.success_after_sft], color="tab:red", marker="s", zorder=3,
+                   label=f"held-out success after SFT on {result.demos_trained} demos: {result.success_after_sft:.0%}")
     ax.set_xlabel("GRPO step")
     ax.set_title(result.name)
     ax.grid(alpha=0.3)
@@ -332,6 +439,10 @@ def _summary(result: LearningResult, console: Console) -> None:
     delta = result.success_after - result.success_before
     console.print(f"\n[bold]{result.name}[/]: held-out success {result.success_before:.1%} -> "
                   f"{result.success_after:.1%} ({delta * 100:+.1f} points) in {result.seconds / 60:.1f} min")
+    if result.success_after_sft is not None:
+        console.print(f"SFT warm start on {result.demos_trained} demonstrations: held-out success "
+                      f"{result.success_before:.1%} -> {result.success_after_sft:.1%}, then GRPO -> "
+                      f"{result.success_after:.1%}")
     if result.steps:
         console.print(f"training reward per step  {sparkline(result.rewards)}  "
                       f"({result.rewards[0]:+.2f} -> {result.rewards[-1]:+.2f})")

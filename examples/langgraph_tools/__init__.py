@@ -3,19 +3,26 @@
 The graph (``agent.py``) is unchanged LangGraph code; ``art_plugins.langgraph.trainable`` runs it on the
 trainable model and returns each run as a token-exact trajectory, scored by the job's reward (right tool
 call, then the right answer). ``make demo`` runs this with its defaults on the embedded SmolLM2-135M.
+
+``--demos N`` warm-starts with SFT on N demonstrations first: the same graph in demonstration mode, its model's
+calls answered by a scripted expert (``expert.py``) that stands in for a strong hosted model.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
+
 from rich.console import Console
 
-from art_core import TrainableModel, TrajectoryGroup
+from art_core import Trajectory, TrainableModel, TrajectoryGroup
 from art_plugins.langgraph import trainable
 
 from .._common import ExampleSettings, LearningResult, learn, open_backend, parse_settings
 from .agent import MODEL_NAME, CalcTask, build_graph, make_tasks, reward
+from .expert import calculator_expert
 
-__all__ = ["DEFAULTS", "main", "run"]
+__all__ = ["DEFAULTS", "demonstration_tasks", "main", "run"]
 
 DEFAULTS = ExampleSettings(steps=5, groups=2, rollouts=6, held_out=20, eval_rollouts=2, learning_rate=2e-3)
 """Sized for 2 CPU cores: about 10 minutes on the embedded model."""
@@ -46,11 +53,25 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
         async def play(task: CalcTask, n: int, seed: int) -> TrajectoryGroup:
             return await agent.group(task.input(), n=n, reward=reward(task), seed=seed)
 
+        async def demonstrate(tasks: Sequence[CalcTask]) -> list[Trajectory]:
+            # The same graph; its "calc" calls go to the expert instead of the gateway, and each run is recorded.
+            async with calculator_expert() as expert, agent.demonstrations(expert.teacher) as demo:
+                return list(await asyncio.gather(*(demo.rollout(t.input(), reward=reward(t)) for t in tasks)))
+
+        eval_tasks = make_tasks(settings.held_out, seed=settings.seed + 10_000)
         console.print(f"[bold]langgraph_tools[/]: a LangGraph calculator agent on {settings.base_model}, "
-                      f"{settings.steps} steps x {settings.groups} questions x {settings.rollouts} rollouts")
+                      f"{settings.steps} steps x {settings.groups} questions x {settings.rollouts} rollouts"
+                      + (f", after SFT on {settings.demos} demonstrations" if settings.demos else ""))
         return await learn(model, play, train_tasks=make_tasks(settings.steps * settings.groups, seed=settings.seed),
-                           eval_tasks=make_tasks(settings.held_out, seed=settings.seed + 10_000), settings=settings,
-                           console=console, title="langgraph_tools: calculator agent")
+                           eval_tasks=eval_tasks, settings=settings, console=console,
+                           title="langgraph_tools: calculator agent", demonstrate=demonstrate,
+                           demo_tasks=demonstration_tasks(settings.demos, seed=settings.seed + 20_000,
+                                                          held_out=eval_tasks))
+
+
+def demonstration_tasks(n: int, *, seed: int, held_out: Sequence[CalcTask]) -> list[CalcTask]:
+    """``n`` questions for demonstrations, drawn from their own seed, none of them a held-out question."""
+    return [t for t in make_tasks(2 * n + len(held_out), seed=seed) if t not in held_out][:n]
 
 
 def main(argv: list[str] | None = None) -> LearningResult:

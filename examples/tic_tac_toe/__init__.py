@@ -1,17 +1,24 @@
-"""Tic-tac-toe against a random opponent, the model moving through a tool (``python -m examples.tic_tac_toe``)."""
+"""Tic-tac-toe against a random opponent, the model moving through a tool (``python -m examples.tic_tac_toe``).
+
+``--demos N`` warm-starts with SFT on N games first: the same graph in demonstration mode, its model's moves made
+by a minimax player (``expert.py``) that stands in for a strong hosted model.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
 
-from art_core import TrainableModel, TrajectoryGroup
+from art_core import Trajectory, TrainableModel, TrajectoryGroup
 from art_plugins.langgraph import trainable
 
 from .._common import ExampleSettings, LearningResult, learn, open_backend, parse_settings
 from .agent import MODEL_NAME, build_graph, make_tasks, reward
+from .expert import minimax_expert
 
 __all__ = ["DEFAULTS", "main", "run"]
 
@@ -32,10 +39,20 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
         async def play(game: dict[str, Any], n: int, seed: int) -> TrajectoryGroup:
             return await agent.group(dict(game), n=n, reward=reward, seed=seed)
 
-        console.print(f"[bold]tic_tac_toe[/]: {settings.base_model} plays X against a random O")
+        async def demonstrate(games: Sequence[dict[str, Any]]) -> list[Trajectory]:
+            # The same graph; its moves are the minimax expert's instead of the trainable model's, each recorded.
+            async with minimax_expert() as expert, agent.demonstrations(expert.teacher) as demo:
+                return list(await asyncio.gather(*(demo.rollout(dict(game), reward=reward) for game in games)))
+
+        eval_tasks = make_tasks(settings.held_out, seed=settings.seed + 10_000)
+        demo_tasks = [g for g in make_tasks(2 * settings.demos + len(eval_tasks), seed=settings.seed + 20_000)
+                      if g not in eval_tasks][:settings.demos]
+        console.print(f"[bold]tic_tac_toe[/]: {settings.base_model} plays X against a random O"
+                      + (f", after SFT on {settings.demos} minimax games" if settings.demos else ""))
         return await learn(model, play, train_tasks=make_tasks(settings.steps * settings.groups, seed=settings.seed),
-                           eval_tasks=make_tasks(settings.held_out, seed=settings.seed + 10_000), settings=settings,
-                           console=console, title="tic_tac_toe: wins against a random opponent")
+                           eval_tasks=eval_tasks, settings=settings, console=console,
+                           title="tic_tac_toe: wins against a random opponent", demonstrate=demonstrate,
+                           demo_tasks=demo_tasks)
 
 
 def main(argv: list[str] | None = None) -> LearningResult:

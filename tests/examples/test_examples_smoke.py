@@ -38,6 +38,77 @@ async def test_langgraph_tools(tiny_model_dir, tmp_path):
     check_run(result)
 
 
+async def test_langgraph_tools_warm_starts_with_sft_on_the_experts_demonstrations(tiny_model_dir, tmp_path):
+    """``--demos 2``: two runs of the unchanged graph answered by the scripted expert, one SFT step on them (the
+    model's step 1, ``kind: "sft"``), then the GRPO step on the same adapter."""
+    from art_core import read_groups_jsonl
+    from examples import langgraph_tools
+    from examples._common import parse_settings
+    from examples.langgraph_tools.agent import make_tasks
+
+    settings = parse_settings("calculator", tiny(tiny_model_dir, tmp_path), ["--demos", "2", "--steps", "1"])
+    assert (settings.demos, settings.steps) == (2, 1)
+    result = await langgraph_tools.run(settings)
+    check_run(result)
+    assert (result.demos, result.demos_trained) == (2, 2)  # the expert gets every question right
+    assert result.sft_loss is not None and result.sft_loss > 0 and result.sft_seconds > 0
+    assert result.success_after_sft is not None and 0.0 <= result.success_after_sft <= 1.0
+    saved = json.loads((result.model_dir / "learning_result.json").read_text())
+    assert (saved["demos_trained"], saved["sft_loss"]) == (2, result.sft_loss)
+    history = [json.loads(line) for line in (result.model_dir / "history.jsonl").read_text().splitlines()]
+    assert (history[0]["kind"], history[0]["step"]) == ("sft", 1)
+    # The GRPO step on the same adapter: step 2, or still 1 when the tiny model's rollouts all tied (dropped).
+    assert [row["kind"] for row in history] == ["sft", "grpo"]
+    assert history[1]["step"] == 1 + int(history[1]["trained"])
+
+    # What the SFT step trained on, as written before it: the expert's runs of the demonstration questions.
+    questions = langgraph_tools.demonstration_tasks(2, seed=settings.seed + 20_000,
+                                                    held_out=make_tasks(settings.held_out, seed=settings.seed + 10_000))
+    (group,) = read_groups_jsonl(result.model_dir / "trajectories" / "0001.jsonl")
+    assert len(group.trajectories) == 2
+    for task, demo in zip(questions, group.trajectories):
+        assert demo.metadata["demonstration"] is True and "calculator-expert" in demo.metadata["teacher"]
+        assert demo.calls == [] and demo.metrics["success"] == 1.0
+        roles = [m.role for m in demo.messages]
+        assert roles[-4:] == ["user", "assistant", "tool", "assistant"], roles
+        assert demo.messages[-4].text() == task.question
+        call = demo.messages[-3].tool_calls[0]
+        assert (call.function.name, json.loads(call.function.arguments)) == (task.tool, {"a": task.a, "b": task.b})
+        assert demo.messages[-1].text() == f"{task.a} {task.operation} {task.b} is {task.answer}."
+
+
+def test_demos_flag_is_refused_where_an_example_has_no_teacher_or_a_bad_count(tmp_path, capsys):
+    from examples._common import parse_settings
+
+    with pytest.raises(SystemExit):
+        parse_settings("x", ExampleSettings(path=tmp_path), ["--demos", "-1"])
+    assert "--demos must be at least 0, got -1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_settings("x", ExampleSettings(path=tmp_path), ["--sft-epochs", "0"])
+    assert "--sft-epochs must be at least 1, got 0" in capsys.readouterr().err
+
+
+async def test_an_example_without_a_teacher_refuses_demos_before_any_work(tmp_path):
+    from art_core import TrainableModel
+    from art_core.errors import ConfigError
+    from examples._common import learn
+
+    async def play(task, n, seed):  # never reached: the settings are refused first
+        raise AssertionError("learn() ran a rollout before checking its settings")
+
+    model = TrainableModel(name="no-teacher", project="examples", base_model="unused")
+    settings = ExampleSettings(path=tmp_path, steps=0, demos=2)
+    with pytest.raises(ConfigError, match="--demos 2: no-teacher has no teacher for demonstrations"):
+        await learn(model, play, train_tasks=[], eval_tasks=[1, 2], settings=settings)
+
+    async def demonstrate(tasks):
+        raise AssertionError("learn() collected demonstrations before checking its settings")
+
+    with pytest.raises(ConfigError, match=r"1 demonstration task\(s\) are also held-out tasks \(first: 2\)"):
+        await learn(model, play, train_tasks=[], eval_tasks=[1, 2], settings=settings, demonstrate=demonstrate,
+                    demo_tasks=[2, 3])
+
+
 async def test_an_example_reports_to_the_trackers_report_to_names(tiny_model_dir, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -79,6 +150,28 @@ async def test_tic_tac_toe(tiny_model_dir, tmp_path):
 
     result = await tic_tac_toe.run(tiny(tiny_model_dir, tmp_path))
     check_run(result)
+
+
+async def test_tic_tac_toe_warm_starts_with_sft_on_minimax_games(tiny_model_dir, tmp_path):
+    """``--demos 2``: two games of the unchanged graph with the minimax expert's moves, the won ones trained on."""
+    from art_core import read_groups_jsonl
+    from examples import tic_tac_toe
+    from examples._common import parse_settings
+    from examples.tic_tac_toe.expert import best_move, parse_board
+
+    result = await tic_tac_toe.run(parse_settings("tic-tac-toe", tiny(tiny_model_dir, tmp_path), ["--demos", "2"]))
+    check_run(result)
+    assert result.demos == 2 and result.demos_trained >= 1 and result.sft_loss is not None
+    history = [json.loads(line) for line in (result.model_dir / "history.jsonl").read_text().splitlines()]
+    assert (history[0]["kind"], history[0]["step"]) == ("sft", 1)
+    (group,) = read_groups_jsonl(result.model_dir / "trajectories" / "0001.jsonl")
+    assert len(group.trajectories) == result.demos_trained
+    for game in group.trajectories:
+        assert game.metadata["demonstration"] is True and game.metrics["success"] == 1.0
+        for turn in game.histories():  # one per move: the board it saw, the expert's move on it
+            board = parse_board(next(m for m in turn.messages if m.role == "user").text())
+            args = json.loads(turn.messages[-1].tool_calls[0].function.arguments)
+            assert (args["row"] - 1) * 3 + args["col"] - 1 == best_move(board)
 
 
 async def test_game_2048(tiny_model_dir, tmp_path):
