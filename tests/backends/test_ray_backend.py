@@ -29,13 +29,11 @@ ROLLOUT = "ray_agents:solve"
 
 
 @pytest.fixture(scope="module")
-def scripted_dir(smollm2_dir: Path, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def scripted_dir(smollm2_dir: Path) -> Path:
     from ray_agents import script
     from scripted_model import fit_scripted_model
 
-    cache = getattr(request.config, "cache", None)
-    folder = cache.mkdir("art-scripted-models") if cache is not None else tmp_path_factory.mktemp("scripted")
-    return fit_scripted_model(smollm2_dir, script(), folder)
+    return fit_scripted_model(smollm2_dir, script())
 
 
 def _runtime_env() -> dict[str, Any]:

@@ -101,10 +101,8 @@ def langfuse_client(base_url: str, **options: Any) -> Langfuse:
 
 
 @pytest.fixture(scope="module")
-def scripted_dir(smollm2_dir: Path, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cache = getattr(request.config, "cache", None)
-    folder = cache.mkdir("art-scripted-models") if cache is not None else tmp_path_factory.mktemp("scripted")
-    return fit_scripted_model(smollm2_dir, script(), folder)
+def scripted_dir(smollm2_dir: Path) -> Path:
+    return fit_scripted_model(smollm2_dir, script())
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -84,10 +84,8 @@ SCRIPT = [
 
 
 @pytest.fixture(scope="module")
-def scripted_dir(smollm2_dir: Path, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cache = getattr(request.config, "cache", None)  # fitted once (~20 s), reused by later runs; None without cache
-    folder = cache.mkdir("art-scripted-models") if cache is not None else tmp_path_factory.mktemp("scripted")
-    return fit_scripted_model(smollm2_dir, SCRIPT, folder)
+def scripted_dir(smollm2_dir: Path) -> Path:
+    return fit_scripted_model(smollm2_dir, SCRIPT)
 
 
 @pytest.fixture

@@ -161,12 +161,8 @@ def script() -> list[Conversation]:
 
 
 @pytest.fixture(scope="module")
-def scripted_model_dir(smollm2_dir: Path, request: pytest.FixtureRequest,
-                       tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Cached by content in pytest's cache folder: fitted once (tens of seconds), then reused by later runs.
-    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
-    folder = cache.mkdir("art-scripted-models") if cache is not None else tmp_path_factory.mktemp("scripted")
-    return fit_scripted_model(smollm2_dir, script(), folder)
+def scripted_model_dir(smollm2_dir: Path) -> Path:
+    return fit_scripted_model(smollm2_dir, script())
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

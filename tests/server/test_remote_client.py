@@ -36,14 +36,12 @@ def client_python() -> str:
 
 
 @pytest.fixture(scope="module")
-def scripted_dir(smollm2_dir: Path, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def scripted_dir(smollm2_dir: Path) -> Path:
     sys.path.insert(0, str(HERE))
     from remote_agents import script
     from scripted_model import fit_scripted_model
 
-    cache = getattr(request.config, "cache", None)  # fitted once (~20 s), then reused
-    folder = cache.mkdir("art-scripted-models") if cache is not None else tmp_path_factory.mktemp("scripted")
-    return fit_scripted_model(smollm2_dir, script(), folder)
+    return fit_scripted_model(smollm2_dir, script())
 
 
 def _client(python: str, *args: str) -> subprocess.Popen[str]:
