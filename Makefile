@@ -17,9 +17,7 @@ export ART_VLLM_VENV ?= $(HOME)/.cache/art-core/venv-vllm
 
 .PHONY: demo test test-loaded bench bench-sft clean
 
-# --no-compile: pip would byte-compile every installed module (torch, ray, transformers...: about half of a fresh
-# install's time here); Python compiles the ones a run imports, once, when it first imports them.
-PIP    := $(PY) -m pip install -q --no-compile
+PIP    := $(PY) -m pip install -q
 
 $(VENV)/.installed: pyproject.toml core/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
