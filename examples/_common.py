@@ -38,8 +38,8 @@ from art_core.errors import ConfigError
 from art_core.models import EMBEDDED_MODEL
 from art_core.tracking import TRACKER_NAMES
 
-__all__ = ["Demonstrate", "ExampleSettings", "LearningResult", "StepStats", "evaluate", "learn", "open_backend",
-           "parse_settings", "plot_curve", "sparkline"]
+__all__ = ["Demonstrate", "ExampleSettings", "LearningResult", "StepStats", "demonstration_tasks", "evaluate", "learn",
+           "open_backend", "parse_settings", "plot_curve", "sparkline"]
 
 T = TypeVar("T")
 Play = Callable[[T, int, int], Awaitable[TrajectoryGroup]]
@@ -338,6 +338,12 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
     (model.model_dir / "learning_result.json").write_text(json.dumps(result.to_json(), indent=1))
     _summary(result, console)
     return result
+
+
+def demonstration_tasks(make_tasks: Callable[..., Sequence[T]], n: int, *, seed: int,
+                        held_out: Sequence[T]) -> list[T]:
+    """``n`` tasks for demonstrations from ``make_tasks(count, seed=seed)``, none of them a held-out task."""
+    return [t for t in make_tasks(2 * n + len(held_out), seed=seed) if t not in held_out][:n]
 
 
 def _check_demonstrations(demos: int, demonstrate: Demonstrate[T] | None, demo_tasks: Sequence[T],

@@ -87,8 +87,7 @@ def fit_scripted_model(base_dir: Path, conversations: Sequence[Conversation], ou
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     folder = (out_root or cache_dir() / "test-scripted-models") / f"scripted-{key}"
     return build_once(folder, lambda staging: _fit(base_dir, conversations, staging, hidden_size, max_steps),
-                      info={"base": str(base_dir), "turns": sum(m["role"] == "assistant"
-                                                            for messages, _ in conversations for m in messages)})
+                      info={"base": str(base_dir)})
 
 
 def _fit(base_dir: Path, conversations: Sequence[Conversation], tmp: Path, hidden_size: int, max_steps: int) -> None:

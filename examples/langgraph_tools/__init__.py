@@ -18,6 +18,7 @@ from rich.console import Console
 from art_core import Trajectory, TrainableModel, TrajectoryGroup
 from art_plugins.langgraph import trainable
 
+from .. import _common
 from .._common import ExampleSettings, LearningResult, learn, open_backend, parse_settings
 from .agent import MODEL_NAME, CalcTask, build_graph, make_tasks, reward
 from .expert import calculator_expert
@@ -71,7 +72,7 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
 
 def demonstration_tasks(n: int, *, seed: int, held_out: Sequence[CalcTask]) -> list[CalcTask]:
     """``n`` questions for demonstrations, drawn from their own seed, none of them a held-out question."""
-    return [t for t in make_tasks(2 * n + len(held_out), seed=seed) if t not in held_out][:n]
+    return _common.demonstration_tasks(make_tasks, n, seed=seed, held_out=held_out)
 
 
 def main(argv: list[str] | None = None) -> LearningResult:

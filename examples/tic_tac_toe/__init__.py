@@ -16,7 +16,7 @@ from rich.console import Console
 from art_core import Trajectory, TrainableModel, TrajectoryGroup
 from art_plugins.langgraph import trainable
 
-from .._common import ExampleSettings, LearningResult, learn, open_backend, parse_settings
+from .._common import ExampleSettings, LearningResult, demonstration_tasks, learn, open_backend, parse_settings
 from .agent import MODEL_NAME, build_graph, make_tasks, reward
 from .expert import minimax_expert
 
@@ -45,8 +45,7 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
                 return list(await asyncio.gather(*(demo.rollout(dict(game), reward=reward) for game in games)))
 
         eval_tasks = make_tasks(settings.held_out, seed=settings.seed + 10_000)
-        demo_tasks = [g for g in make_tasks(2 * settings.demos + len(eval_tasks), seed=settings.seed + 20_000)
-                      if g not in eval_tasks][:settings.demos]
+        demo_tasks = demonstration_tasks(make_tasks, settings.demos, seed=settings.seed + 20_000, held_out=eval_tasks)
         console.print(f"[bold]tic_tac_toe[/]: {settings.base_model} plays X against a random O"
                       + (f", after SFT on {settings.demos} minimax games" if settings.demos else ""))
         return await learn(model, play, train_tasks=make_tasks(settings.steps * settings.groups, seed=settings.seed),
