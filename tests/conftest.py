@@ -20,6 +20,10 @@ import pytest
 # litellm (the RULER judge client) fetches its price list from the internet on import unless told not to.
 _OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
 _env_before_session: dict[str, str | None] = {}
+# One torch thread per test process. Measured here (2 cores, a decode-sized matmul loop): 2 threads ran 1.6x
+# faster than 1 on a quiet machine but 2.5x slower than 1 beside one busy process (OpenMP's threads wait
+# for each other), and the suite must pass quiet or loaded; pytest-xdist's two workers use the second core.
+TORCH_THREADS = 1
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -31,7 +35,19 @@ def pytest_configure(config: pytest.Config) -> None:
     if importlib.util.find_spec("torch") is not None:
         import torch
 
-        torch.set_num_threads(2)  # the CI machine has 2 cores; more threads only contend
+        torch.set_num_threads(TORCH_THREADS)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # Collection imports every test module: one that sets torch's thread count at import time would run the
+    # whole suite on its count, silently (a module of loss tests once did, overriding the count above).
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        if torch.get_num_threads() != TORCH_THREADS:
+            raise pytest.UsageError(f"a test module set torch's thread count to {torch.get_num_threads()} when "
+                                    f"imported (the suite runs on {TORCH_THREADS}): set it in a fixture that "
+                                    "restores it")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

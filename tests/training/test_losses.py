@@ -26,7 +26,6 @@ from art_core.training.losses import (
     build_loss,
 )
 
-torch.set_num_threads(1)
 
 LN2 = math.log(2.0)
 LN1_5 = math.log(1.5)
