@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Literal
 
 from .._expert import ScriptedExpert, ToolCall, message_text
 from .agent import SupportAnswer
@@ -33,7 +33,7 @@ _LOOKUPS = {"billing": ("invoice_total", "invoice_id", "Invoice {0} totals {1}."
             "technical": ("service_status", "service", "{0} is {1} right now.")}
 
 
-def _question(messages: list[dict[str, Any]]) -> tuple[str, str]:
+def _question(messages: list[dict[str, Any]]) -> tuple[Literal["billing", "technical"], str]:
     """The customer's question as ``(department, what to look up)``: ``("billing", "INV-1042")`` or
     ``("technical", "login")``."""
     asked = [m for m in messages if m.get("role") == "user"]
@@ -74,7 +74,7 @@ def support_policy(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) 
     result = _result_of(messages, lookup)
     if result is None:
         return ToolCall(lookup, {argument: subject})
-    answer = SupportAnswer(department=department, reply=reply.format(subject, result.strip()))  # type: ignore[arg-type]
+    answer = SupportAnswer(department=department, reply=reply.format(subject, result.strip()))
     return json.dumps(answer.model_dump())
 
 

@@ -189,7 +189,8 @@ async def test_game_2048_warm_starts_with_sft_on_expectimax_games(tiny_model_dir
     from examples._common import parse_settings
     from examples.game_2048.expert import best_direction, parse_board
 
-    result = await game_2048.run(parse_settings("2048", tiny(tiny_model_dir, tmp_path), ["--demos", "2", "--steps", "0"]))
+    settings = parse_settings("2048", tiny(tiny_model_dir, tmp_path), ["--demos", "2", "--steps", "0"])
+    result = await game_2048.run(settings)
     check_run(result, steps=0)
     assert result.demos == 2 and result.demos_trained >= 1 and result.sft_loss is not None and result.sft_loss > 0
     history = [json.loads(line) for line in (result.model_dir / "history.jsonl").read_text().splitlines()]

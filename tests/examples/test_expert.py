@@ -1,5 +1,7 @@
-"""The scripted expert behind ``--demos``, asked with the official openai client over loopback HTTP, as
-demonstration mode asks a hosted teacher (``examples/_expert.py``, ``examples/langgraph_tools/expert.py``)."""
+"""The scripted experts behind ``--demos``, asked with the official openai client over loopback HTTP, as
+demonstration mode asks a hosted teacher (``examples/_expert.py``, each example's ``expert.py``): the right calls
+for known tasks, a 400 for a conversation an expert cannot answer, and, where cheap, the example's own graph run
+against the expert (no model involved) to show its demonstrations succeed."""
 
 from __future__ import annotations
 
@@ -126,7 +128,8 @@ async def test_the_expectimax_expert_merges_never_wastes_a_move_and_refuses_a_st
                                                 "parameters": move.args_schema.model_json_schema()}}]
 
     def position(board: list[list[int]]) -> list[dict[str, str]]:  # the player node's prompt
-        return [{"role": "system", "content": RULES}, {"role": "user", "content": f"Board:\n{render(board)}\nYour move?"}]
+        return [{"role": "system", "content": RULES},
+                {"role": "user", "content": f"Board:\n{render(board)}\nYour move?"}]
 
     to_win = [[8, 8, 0], [2, 0, 0], [0, 0, 0]]  # left or right merges the 8s into the target
     two_ways = [[2, 4, 8], [4, 8, 2], [8, 2, 0]]  # no merge; left and up change nothing
