@@ -1,17 +1,25 @@
 """A support desk on the OpenAI Agents SDK: triage, handoffs, tools, structured output
-(``python -m examples.agents_sdk_support``)."""
+(``python -m examples.agents_sdk_support``).
+
+``--demos N`` warm-starts with SFT on N conversations first: the same agents run by
+``TrainableRunner.demonstrations(teacher)``, their calls answered by a scripted expert (``expert.py``) that stands in
+for a strong hosted model.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Sequence
 
 from rich.console import Console
 
-from art_core import TrainableModel, TrajectoryGroup
+from art_core import Trajectory, TrainableModel, TrajectoryGroup
 from art_plugins.openai_agents import TrainableRunner
 
-from .._common import ExampleSettings, LearningResult, learn, open_backend, parse_settings
+from .._common import ExampleSettings, LearningResult, demonstration_tasks, learn, open_backend, parse_settings
 from .agent import MODEL_NAME, SupportTask, build_agent, make_tasks, reward
+from .expert import support_expert
 
 __all__ = ["DEFAULTS", "main", "run"]
 
@@ -33,10 +41,21 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
         async def play(task: SupportTask, n: int, seed: int) -> TrajectoryGroup:
             return await runner.group(agent, task.message, n=n, reward=reward(task), max_turns=6, seed=seed)
 
-        console.print(f"[bold]agents_sdk_support[/]: an Agents SDK triage desk on {settings.base_model}")
+        async def demonstrate(tasks: Sequence[SupportTask]) -> list[Trajectory]:
+            # The same agents; their calls answered by the expert instead of the trainable model, each run recorded.
+            async with support_expert() as expert, runner.demonstrations(expert.teacher) as demo:
+                runs = await asyncio.gather(*(demo.run(agent, task.message, reward=reward(task), max_turns=6)
+                                              for task in tasks))
+            return [trajectory for _, trajectory in runs]
+
+        eval_tasks = make_tasks(settings.held_out, seed=settings.seed + 10_000)
+        demo_tasks = demonstration_tasks(make_tasks, settings.demos, seed=settings.seed + 20_000, held_out=eval_tasks)
+        console.print(f"[bold]agents_sdk_support[/]: an Agents SDK triage desk on {settings.base_model}"
+                      + (f", after SFT on {settings.demos} demonstrations" if settings.demos else ""))
         return await learn(model, play, train_tasks=make_tasks(settings.steps * settings.groups, seed=settings.seed),
-                           eval_tasks=make_tasks(settings.held_out, seed=settings.seed + 10_000), settings=settings,
-                           console=console, title="agents_sdk_support: triage, handoff, tool, structured answer")
+                           eval_tasks=eval_tasks, settings=settings, console=console,
+                           title="agents_sdk_support: triage, handoff, tool, structured answer",
+                           demonstrate=demonstrate, demo_tasks=demo_tasks)
 
 
 def main(argv: list[str] | None = None) -> LearningResult:

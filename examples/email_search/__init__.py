@@ -8,15 +8,19 @@ finding and reading the email), or with ``--judge MODEL`` from RULER (``ruler_sc
 compares each group's runs; ``--judge local`` uses the base model on this machine). Either way the
 held-out success is measured by the checker: the right answer citing the right email.
 
-Trained by RL alone: there is no SFT warm start on demonstrations yet.
+``--demos N`` warm-starts with SFT on N questions first: the same graph in demonstration mode, its model's calls
+answered by a scripted expert (``expert.py``) that stands in for a strong hosted model.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Sequence
+
 from rich.console import Console
 
-from art_core import TrainableModel, TrajectoryGroup
+from art_core import Trajectory, TrainableModel, TrajectoryGroup
 from art_core.errors import ConfigError
 from art_core.rewards import ruler_score_group
 from art_plugins.langgraph import trainable
@@ -24,9 +28,10 @@ from art_plugins.langgraph import trainable
 from .._common import ExampleSettings, LearningResult, learn, open_backend, parse_settings
 from ..ruler_only import judge_endpoint
 from .agent import MAX_TURNS, MODEL_NAME, build_graph, reward, task_input
+from .expert import email_expert
 from .mailbox import Mailbox, Question
 
-__all__ = ["DEFAULTS", "RUBRIC", "main", "run", "split_questions"]
+__all__ = ["DEFAULTS", "RUBRIC", "demonstration_questions", "main", "run", "split_questions"]
 
 DEFAULTS = ExampleSettings(steps=8, groups=2, rollouts=6, held_out=16, eval_rollouts=2, learning_rate=2e-3)
 """Sized for 2 CPU cores: a run is 3-4 model calls; about 1.5-2 minutes per step on the embedded model."""
@@ -48,6 +53,13 @@ def split_questions(mailbox: Mailbox, *, train: int, held_out: int) -> tuple[lis
         raise ConfigError(f"the mailbox has {len(mailbox.questions)} questions, asked for {train} training "
                           f"(steps x groups) + {held_out} held-out; lower --steps, --groups or --held-out")
     return mailbox.questions[held_out:held_out + train], mailbox.questions[:held_out]
+
+
+def demonstration_questions(mailbox: Mailbox, n: int, *, train: int, held_out: int) -> list[Question]:
+    """``n`` questions for demonstrations, never a held-out one: those after the training questions first, then
+    training ones (``split_questions`` takes the held-out questions from the front, then the training ones)."""
+    rest = mailbox.questions[held_out:]
+    return (rest[train:] + rest[:train])[:n]
 
 
 async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None = None,
@@ -84,13 +96,23 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
                 scored = await ruler_score_group(group, rubric=RUBRIC, seed=seed, swallow_exceptions=True, **judge)
                 return scored if scored is not None else group  # a failed judge call keeps the hand reward
 
+            async def demonstrate(questions: Sequence[Question]) -> list[Trajectory]:
+                # The same graph; its calls answered by the expert instead of the trainable model, each recorded.
+                async with email_expert(mailbox) as expert, agent.demonstrations(expert.teacher) as demo:
+                    return list(await asyncio.gather(*(demo.rollout(task_input(q), reward=reward(q))
+                                                       for q in questions)))
+
             play = judged if settings.judge else measure
             source = f"RULER (judge {settings.judge!r})" if settings.judge else "the hand-written reward"
             console.print(f"[bold]email_search[/]: a LangGraph email agent on {settings.base_model}, "
                           f"{mailbox.size} emails, trained on {source}; "
-                          f"{settings.steps} steps x {settings.groups} questions x {settings.rollouts} rollouts")
+                          f"{settings.steps} steps x {settings.groups} questions x {settings.rollouts} rollouts"
+                          + (f", after SFT on {settings.demos} demonstrations" if settings.demos else ""))
+            demo_questions = demonstration_questions(mailbox, settings.demos, train=len(train_questions),
+                                                     held_out=len(eval_questions))
             return await learn(model, play, measure=measure, train_tasks=train_questions, eval_tasks=eval_questions,
-                               settings=settings, console=console, title="email_search: inbox question answering")
+                               settings=settings, console=console, title="email_search: inbox question answering",
+                               demonstrate=demonstrate, demo_tasks=demo_questions)
 
 
 def main(argv: list[str] | None = None) -> LearningResult:

@@ -1,17 +1,24 @@
-"""2048 on a small board, the model moving through a tool (``python -m examples.game_2048``)."""
+"""2048 on a small board, the model moving through a tool (``python -m examples.game_2048``).
+
+``--demos N`` warm-starts with SFT on N games first: the same graph in demonstration mode, its model's moves made
+by an expectimax player (``expert.py``) that stands in for a strong hosted model.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
 
-from art_core import TrainableModel, TrajectoryGroup
+from art_core import Trajectory, TrainableModel, TrajectoryGroup
 from art_plugins.langgraph import trainable
 
-from .._common import ExampleSettings, LearningResult, learn, open_backend, parse_settings
+from .._common import ExampleSettings, LearningResult, demonstration_tasks, learn, open_backend, parse_settings
 from .agent import MODEL_NAME, build_graph, make_tasks, reward
+from .expert import expectimax_expert
 
 __all__ = ["DEFAULTS", "main", "run"]
 
@@ -32,15 +39,22 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
         async def play(game: dict[str, Any], n: int, seed: int) -> TrajectoryGroup:
             return await agent.group(dict(game), n=n, reward=reward, seed=seed)
 
-        console.print(f"[bold]game_2048[/]: {settings.base_model} plays 2048 (3x3 board, target 16)")
+        async def demonstrate(games: Sequence[dict[str, Any]]) -> list[Trajectory]:
+            # The same graph; its moves are the expectimax expert's instead of the trainable model's, each recorded.
+            async with expectimax_expert() as expert, agent.demonstrations(expert.teacher) as demo:
+                return list(await asyncio.gather(*(demo.rollout(dict(game), reward=reward) for game in games)))
+
+        eval_tasks = make_tasks(settings.held_out, seed=settings.seed + 10_000)
+        demo_tasks = demonstration_tasks(make_tasks, settings.demos, seed=settings.seed + 20_000, held_out=eval_tasks)
+        console.print(f"[bold]game_2048[/]: {settings.base_model} plays 2048 (3x3 board, target 16)"
+                      + (f", after SFT on {settings.demos} expectimax games" if settings.demos else ""))
         return await learn(model, play, train_tasks=make_tasks(settings.steps * settings.groups, seed=settings.seed),
-                           eval_tasks=make_tasks(settings.held_out, seed=settings.seed + 10_000), settings=settings,
-                           console=console, title="game_2048: reaching 16 on a 3x3 board")
+                           eval_tasks=eval_tasks, settings=settings, console=console,
+                           title="game_2048: reaching 16 on a 3x3 board", demonstrate=demonstrate,
+                           demo_tasks=demo_tasks)
 
 
 def main(argv: list[str] | None = None) -> LearningResult:
     """``python -m examples.game_2048 [--steps N ...]``."""
-    import asyncio
-
     settings = parse_settings("Train a LangGraph 2048 player (move tool) with GRPO.", DEFAULTS, argv)
     return asyncio.run(run(settings))

@@ -181,6 +181,31 @@ async def test_game_2048(tiny_model_dir, tmp_path):
     check_run(result)
 
 
+async def test_game_2048_warm_starts_with_sft_on_expectimax_games(tiny_model_dir, tmp_path):
+    """``--demos 2 --steps 0``: two games of the unchanged graph with the expectimax expert's moves, one SFT step on
+    the won ones, no GRPO step."""
+    from art_core import read_groups_jsonl
+    from examples import game_2048
+    from examples._common import parse_settings
+    from examples.game_2048.expert import best_direction, parse_board
+
+    settings = parse_settings("2048", tiny(tiny_model_dir, tmp_path), ["--demos", "2", "--steps", "0"])
+    result = await game_2048.run(settings)
+    check_run(result, steps=0)
+    assert result.demos == 2 and result.demos_trained >= 1 and result.sft_loss is not None and result.sft_loss > 0
+    history = [json.loads(line) for line in (result.model_dir / "history.jsonl").read_text().splitlines()]
+    assert [(row["kind"], row["step"]) for row in history] == [("sft", 1)]
+    (group,) = read_groups_jsonl(result.model_dir / "trajectories" / "0001.jsonl")
+    assert len(group.trajectories) == result.demos_trained
+    for game in group.trajectories:
+        assert game.metadata["demonstration"] is True and game.metrics["success"] == 1.0 and game.reward == 1.0
+        for turn in game.histories():  # one per move: the board it saw, the expert's move on it
+            board = parse_board(next(m for m in turn.messages if m.role == "user").text())
+            call = turn.messages[-1].tool_calls[0]
+            assert (call.function.name, json.loads(call.function.arguments)) == (
+                "move", {"direction": best_direction(board)})
+
+
 def test_2048_slides_and_merges_once():
     from examples.game_2048.agent import slide
 
@@ -209,6 +234,31 @@ async def test_agents_sdk_support(tiny_model_dir, tmp_path):
     check_run(result)
 
 
+async def test_agents_sdk_support_warm_starts_with_sft_on_the_experts_runs(tiny_model_dir, tmp_path):
+    """``--demos 2 --steps 0``: two runs of the unchanged agents by ``TrainableRunner.demonstrations``, the expert
+    handing off, looking up and answering with the structured output; one SFT step on them, no GRPO step."""
+    from art_core import read_groups_jsonl
+    from examples import agents_sdk_support
+    from examples._common import parse_settings
+
+    settings = parse_settings("support", tiny(tiny_model_dir, tmp_path), ["--demos", "2", "--steps", "0"])
+    result = await agents_sdk_support.run(settings)
+    check_run(result, steps=0)
+    assert (result.demos, result.demos_trained) == (2, 2) and result.sft_loss is not None and result.sft_loss > 0
+    history = [json.loads(line) for line in (result.model_dir / "history.jsonl").read_text().splitlines()]
+    assert [(row["kind"], row["step"]) for row in history] == [("sft", 1)]
+    (group,) = read_groups_jsonl(result.model_dir / "trajectories" / "0001.jsonl")
+    # make_tasks alternates: the first demonstration is an invoice question, the second a service question.
+    for run, (handoff, lookup, department) in zip(group.trajectories, [
+            ("transfer_to_billing", "invoice_total", "billing"), ("transfer_to_technical", "service_status",
+                                                                    "technical")]):
+        assert run.metadata["demonstration"] is True and "support-expert" in run.metadata["teacher"]
+        assert run.metrics["success"] == 1.0 and run.reward == 1.0
+        calls = [c.function.name for h in run.histories() for m in h.messages for c in m.tool_calls or []]
+        assert handoff in calls and lookup in calls, calls
+        assert json.loads(run.messages[-1].text())["department"] == department
+
+
 async def test_ruler_only(tiny_model_dir, tmp_path):
     from examples import ruler_only
 
@@ -228,3 +278,29 @@ async def test_email_search(tiny_model_dir, tmp_path):
     text = json.dumps(trained)
     assert "ruler_score" in text  # the training rewards came from the judge
     assert '"found"' in text and "search_inbox" in text  # the hand marks were recorded; the first call searched
+
+
+async def test_email_search_warm_starts_with_sft_on_the_experts_runs(tiny_model_dir, tmp_path):
+    """``--demos 2 --steps 0``: two runs of the unchanged graph answered by the expert (search, read the source,
+    answer citing it), one SFT step on them, no GRPO step."""
+    from art_core import read_groups_jsonl
+    from examples import email_search
+    from examples._common import parse_settings
+    from examples.email_search.mailbox import Mailbox
+
+    settings = parse_settings("email", tiny(tiny_model_dir, tmp_path), ["--demos", "2", "--steps", "0"])
+    result = await email_search.run(settings)
+    check_run(result, steps=0)
+    assert (result.demos, result.demos_trained) == (2, 2) and result.sft_loss is not None and result.sft_loss > 0
+    history = [json.loads(line) for line in (result.model_dir / "history.jsonl").read_text().splitlines()]
+    assert [(row["kind"], row["step"]) for row in history] == [("sft", 1)]
+    mailbox = Mailbox(seed=settings.seed)
+    questions = email_search.demonstration_questions(mailbox, 2, train=0, held_out=settings.held_out)
+    (group,) = read_groups_jsonl(result.model_dir / "trajectories" / "0001.jsonl")
+    for question, run in zip(questions, group.trajectories, strict=True):
+        assert run.metadata["demonstration"] is True and run.metrics["success"] == 1.0
+        assert run.reward == pytest.approx(1.0)  # every mark: found, read, cited, answered
+        calls = [(c.function.name, json.loads(c.function.arguments)) for m in run.messages
+                 for c in m.tool_calls or [] if c.id.startswith("call_expert_")]  # not the worked exchange's
+        assert [name for name, _ in calls] == ["search_inbox", "read_email", "return_answer"]
+        assert calls[2][1] == {"answer": question.answer, "source_id": question.source_id}

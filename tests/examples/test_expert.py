@@ -1,5 +1,7 @@
-"""The scripted expert behind ``--demos``, asked with the official openai client over loopback HTTP, as
-demonstration mode asks a hosted teacher (``examples/_expert.py``, ``examples/langgraph_tools/expert.py``)."""
+"""The scripted experts behind ``--demos``, asked with the official openai client over loopback HTTP, as
+demonstration mode asks a hosted teacher (``examples/_expert.py``, each example's ``expert.py``): the right calls
+for known tasks, a 400 for a conversation an expert cannot answer, and, where cheap, the example's own graph run
+against the expert (no model involved) to show its demonstrations succeed."""
 
 from __future__ import annotations
 
@@ -112,3 +114,184 @@ async def test_the_minimax_expert_wins_when_it_can_and_blocks_otherwise():
     assert moves[:2] == [{"row": 1, "col": 3}, {"row": 2, "col": 3}]
     third = best_move(list("O...X...."))
     assert moves[2] == {"row": third // 3 + 1, "col": third % 3 + 1} and "O...X...."[third] == "."
+
+
+# --- game_2048: the expectimax player ---
+
+
+async def test_the_expectimax_expert_merges_never_wastes_a_move_and_refuses_a_stuck_board():
+    from examples.game_2048.agent import SYSTEM as RULES
+    from examples.game_2048.agent import move, render, slide
+    from examples.game_2048.expert import best_direction, expectimax_expert
+
+    schema = [{"type": "function", "function": {"name": "move", "description": move.description,
+                                                "parameters": move.args_schema.model_json_schema()}}]
+
+    def position(board: list[list[int]]) -> list[dict[str, str]]:  # the player node's prompt
+        return [{"role": "system", "content": RULES},
+                {"role": "user", "content": f"Board:\n{render(board)}\nYour move?"}]
+
+    to_win = [[8, 8, 0], [2, 0, 0], [0, 0, 0]]  # left or right merges the 8s into the target
+    two_ways = [[2, 4, 8], [4, 8, 2], [8, 2, 0]]  # no merge; left and up change nothing
+    async with expectimax_expert() as expert:
+        async with openai.AsyncOpenAI(base_url=expert.base_url, api_key="unused", max_retries=0) as client:
+            directions = []
+            for board in (to_win, two_ways):
+                reply = await client.chat.completions.create(model="expectimax-expert", messages=position(board),
+                                                             tools=schema, tool_choice="required", max_tokens=48)
+                (call,) = reply.choices[0].message.tool_calls
+                assert call.function.name == "move" and reply.model == "expectimax-expert"
+                directions.append(json.loads(call.function.arguments)["direction"])
+            with pytest.raises(openai.BadRequestError, match="no move changes the board"):
+                await client.chat.completions.create(model="expectimax-expert", tools=schema, max_tokens=48,
+                                                     messages=position([[2, 4, 2], [4, 2, 4], [2, 4, 2]]))
+            with pytest.raises(openai.BadRequestError, match="no 3 x 3 board"):
+                await client.chat.completions.create(model="expectimax-expert", tools=schema, max_tokens=48,
+                                                     messages=[{"role": "user", "content": "Your move?"}])
+    assert directions == [best_direction(to_win), best_direction(two_ways)]
+    assert max(map(max, slide(to_win, directions[0]))) == 16 and directions[1] in ("right", "down")
+
+
+async def test_the_expectimax_expert_wins_most_seeded_games_of_the_real_graph():
+    """The example's own game loop, its chat model pointed at the expert: the games the SFT step would learn from."""
+    from examples.game_2048.agent import build_graph, make_tasks
+    from examples.game_2048.expert import expectimax_expert
+
+    async with expectimax_expert() as expert:
+        graph = build_graph(base_url=expert.base_url)
+        games = [await graph.ainvoke(dict(task)) for task in make_tasks(20, seed=20_000)]
+    outcomes = [game["outcome"] for game in games]
+    assert "invalid" not in outcomes and outcomes.count("won") >= 18, outcomes
+
+
+# --- email_search: search, read the source, answer citing it ---
+
+
+def _chat(messages) -> list[dict]:
+    """LangChain messages in chat format, as ChatOpenAI sends them."""
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+
+    out = []
+    for m in messages:
+        if isinstance(m, SystemMessage):
+            out.append({"role": "system", "content": m.content})
+        elif isinstance(m, HumanMessage):
+            out.append({"role": "user", "content": m.content})
+        elif isinstance(m, ToolMessage):
+            out.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": m.content})
+        elif isinstance(m, AIMessage):
+            out.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["args"])}}
+                for c in m.tool_calls]})
+    return out
+
+
+async def test_the_email_expert_searches_reads_the_source_and_answers_citing_it():
+    from langchain_core.messages import SystemMessage
+
+    from examples.email_search.agent import EXAMPLE, SYSTEM, closed_schema, make_tools
+    from examples.email_search.expert import email_expert
+    from examples.email_search.mailbox import Mailbox
+
+    mailbox = Mailbox(seed=0)
+    question = mailbox.questions[0]
+    tools = {t.name: t for t in make_tools(mailbox)}
+    schemas = [closed_schema(t) for t in tools.values()]
+    conversation = [*_chat([SystemMessage(SYSTEM), *EXAMPLE]), {"role": "user", "content": question.text}]
+    async with email_expert(mailbox) as expert:
+        async with openai.AsyncOpenAI(base_url=expert.base_url, api_key="unused", max_retries=0) as client:
+            calls = []
+            for _ in range(3):  # the worked exchange's calls come before the question: context, not turns
+                reply = await client.chat.completions.create(model="email-expert", messages=conversation,
+                                                             tools=schemas, tool_choice="required", max_tokens=64)
+                (call,) = reply.choices[0].message.tool_calls
+                arguments = json.loads(call.function.arguments)
+                calls.append((call.function.name, arguments))
+                conversation += [reply.choices[0].message.model_dump(exclude_none=True),
+                                 {"role": "tool", "tool_call_id": call.id,
+                                  "content": tools[call.function.name].invoke(arguments)}]
+
+            with pytest.raises(openai.BadRequestError, match="is not a question about this mailbox"):
+                await client.chat.completions.create(model="email-expert", tools=schemas, max_tokens=64,
+                                                     messages=[{"role": "user", "content": "Where is the gym?"}])
+            searched_elsewhere = [{"role": "user", "content": question.text},
+                                  {"role": "assistant", "content": None, "tool_calls": [{
+                                      "id": "c1", "type": "function", "function": {
+                                          "name": "search_inbox", "arguments": '{"keywords": "lunch"}'}}]},
+                                  {"role": "tool", "tool_call_id": "c1", "content": "No emails found."}]
+            with pytest.raises(openai.BadRequestError, match=f"did not list email {question.source_id}"):
+                await client.chat.completions.create(model="email-expert", tools=schemas, max_tokens=64,
+                                                     messages=searched_elsewhere)
+    event, first = question.text.split(" the ", 1)[1].rstrip("?").split(" with ")
+    assert calls == [("search_inbox", {"keywords": f"{event} {first}"}), ("read_email", {"id": question.source_id}),
+                     ("return_answer", {"answer": question.answer, "source_id": question.source_id})]
+
+
+async def test_the_email_expert_earns_the_full_reward_through_the_real_graph():
+    """The example's graph, its chat model pointed at the expert, on the first 10 questions of two seeds."""
+    from examples.email_search.agent import build_graph, grade, task_input
+    from examples.email_search.expert import email_expert
+    from examples.email_search.mailbox import Mailbox
+
+    for seed in (0, 1):
+        mailbox = Mailbox(seed=seed)
+        async with email_expert(mailbox) as expert:
+            graph = build_graph(mailbox, base_url=expert.base_url)
+            for question in mailbox.questions[:10]:
+                state = await graph.ainvoke(task_input(question))
+                assert grade(question, state["messages"]) == {"found": 1.0, "read": 1.0, "cited": 1.0,
+                                                               "answered": 1.0, "valid_tool_calls": 1.0}, question
+
+
+# --- agents_sdk_support: triage, lookup, structured answer ---
+
+
+async def test_the_support_expert_hands_off_looks_up_and_answers_with_the_structured_output():
+    from examples.agents_sdk_support.agent import INVOICES, SERVICES, SupportAnswer, build_agent
+    from examples.agents_sdk_support.expert import support_expert
+
+    triage = build_agent()
+    billing, technical = triage.handoffs
+    handoffs = [{"type": "function", "function": {"name": f"transfer_to_{a.name.lower()}", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}} for a in (billing, technical)]
+
+    def schema(agent) -> list[dict]:
+        (tool,) = agent.tools
+        return [{"type": "function", "function": {"name": tool.name, "parameters": tool.params_json_schema}}]
+
+    def step(conversation: list[dict], call_id: str, name: str, arguments: dict, result: str) -> list[dict]:
+        return [*conversation, {"role": "assistant", "content": None, "tool_calls": [{
+            "id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": result}]
+
+    async with support_expert() as expert:
+        async with openai.AsyncOpenAI(base_url=expert.base_url, api_key="unused", max_retries=0) as client:
+            async def turn(conversation: list[dict], tools: list[dict]):
+                reply = await client.chat.completions.create(model="support-expert", messages=conversation,
+                                                             tools=tools, max_tokens=64)
+                message = reply.choices[0].message
+                if message.tool_calls:
+                    (call,) = message.tool_calls
+                    return call.function.name, json.loads(call.function.arguments)
+                return SupportAnswer.model_validate_json(message.content)
+
+            for question, desk, lookup, fact in [
+                    ("How much do I owe on invoice INV-1003?", billing, ("invoice_total", {"invoice_id": "INV-1003"}),
+                     INVOICES["INV-1003"]),
+                    ("Is login working right now?", technical, ("service_status", {"service": "login"}),
+                     SERVICES["login"])]:
+                asked = [{"role": "system", "content": triage.instructions}, {"role": "user", "content": question}]
+                handoff = f"transfer_to_{desk.name.lower()}"
+                assert await turn(asked, handoffs) == (handoff, {})
+                handed = step(asked, "h1", handoff, {}, json.dumps({"assistant": desk.name}))
+                assert await turn(handed, schema(desk)) == lookup
+                answer = await turn(step(handed, "t1", *lookup, fact), schema(desk))
+                assert answer.department == desk.name.lower() and fact in answer.reply
+
+            with pytest.raises(openai.BadRequestError, match="neither an invoice number"):
+                await client.chat.completions.create(model="support-expert", tools=handoffs, max_tokens=64,
+                                                     messages=[{"role": "user", "content": "Hello there"}])
+            with pytest.raises(openai.BadRequestError, match="needs the handoff 'transfer_to_billing' or the tool"):
+                await client.chat.completions.create(
+                    model="support-expert", tools=schema(technical), max_tokens=64,
+                    messages=[{"role": "user", "content": "How much do I owe on invoice INV-1003?"}])
