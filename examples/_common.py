@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rich.console import Console
 
@@ -38,7 +38,13 @@ from art_core.errors import ConfigError
 from art_core.models import EMBEDDED_MODEL
 from art_core.tracking import TRACKER_NAMES
 
-__all__ = ["Demonstrate", "ExampleSettings", "LearningResult", "StepStats", "demonstration_tasks", "evaluate", "learn",
+if TYPE_CHECKING:
+    from art_plugins.langgraph import TrainableGraph
+
+    from ._expert import ScriptedExpert
+
+__all__ = ["Demonstrate", "ExampleSettings", "LearningResult", "StepStats", "demonstration_tasks", "evaluate",
+           "graph_demonstrations", "learn",
            "open_backend", "parse_settings", "plot_curve", "sparkline"]
 
 T = TypeVar("T")
@@ -344,6 +350,24 @@ def demonstration_tasks(make_tasks: Callable[..., Sequence[T]], n: int, *, seed:
                         held_out: Sequence[T]) -> list[T]:
     """``n`` tasks for demonstrations from ``make_tasks(count, seed=seed)``, none of them a held-out task."""
     return [t for t in make_tasks(2 * n + len(held_out), seed=seed) if t not in held_out][:n]
+
+
+def graph_demonstrations(agent: TrainableGraph, expert: Callable[[], ScriptedExpert],
+                         task_input: Callable[[T], Any], task_reward: Callable[[T], Any]) -> Demonstrate[T]:
+    """The ``demonstrate`` of a LangGraph example: the same graph in demonstration mode, its trainable model's
+    calls answered by a fresh ``expert()`` (served for the batch), one recorded rollout per task, side by side.
+
+    Args:
+        agent: the example's ``trainable(graph, model)``.
+        expert: makes the scripted teacher (``examples._expert.ScriptedExpert``).
+        task_input: the graph's input for a task.
+        task_reward: the reward function for a task's run.
+    """
+    async def demonstrate(tasks: Sequence[T]) -> list[Trajectory]:
+        async with expert() as teacher, agent.demonstrations(teacher.teacher) as demo:
+            return list(await asyncio.gather(*(demo.rollout(task_input(t), reward=task_reward(t)) for t in tasks)))
+
+    return demonstrate
 
 
 def _check_demonstrations(demos: int, demonstrate: Demonstrate[T] | None, demo_tasks: Sequence[T],

@@ -9,9 +9,9 @@
 # Env:     ART_VLLM_VENV   where to build the venv (default: <repo>/.venv-vllm)
 #          PYTHON          interpreter to build it from (default: python3; must be 3.11 for the torch wheel)
 #
-# Idempotent: when the stamp file names the pins below and the installed versions match them, nothing is
-# installed (a check of package metadata, well under a second; the full `import vllm` check, ~10 s on
-# 2 cores, runs after a build). On success it writes the pins to <venv>/.art-vllm-ready and prints the
+# Idempotent: when the stamp file of a finished build exists and the installed versions match the pins
+# below, nothing is installed (a check of package metadata, well under a second; the full `import vllm`
+# check, ~10 s on 2 cores, runs after a build). On success it writes <venv>/.art-vllm-ready and prints the
 # venv's python on the last line.
 set -euo pipefail
 
@@ -29,7 +29,7 @@ healthy() {
 
 installed_as_pinned() {
     # What a reused venv must hold: the pinned builds, and none of the wheels that break `import vllm`.
-    [[ -x "$py" && -f "$stamp" && "$(head -n 1 "$stamp")" == "$torch_pin $vllm_pin" ]] || return 1
+    [[ -x "$py" && -f "$stamp" ]] || return 1
     "$py" - "$torch_pin" "$vllm_pin" >/dev/null 2>&1 <<'PY'
 import importlib.metadata as metadata
 import sys
@@ -74,6 +74,6 @@ if ! healthy; then
     exit 1
 fi
 "$py" -c "import vllm, torch, transformers; print(f'vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}')" >&2
-printf '%s\n%s\n' "$torch_pin $vllm_pin" "$(date -u +%FT%TZ)" > "$stamp"
+date -u +%FT%TZ > "$stamp"
 echo "vLLM CPU venv ready: $venv" >&2
 echo "$py"

@@ -14,18 +14,16 @@ answered by a scripted expert (``expert.py``) that stands in for a strong hosted
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Sequence
 
 from rich.console import Console
 
-from art_core import Trajectory, TrainableModel, TrajectoryGroup
+from art_core import TrainableModel, TrajectoryGroup
 from art_core.errors import ConfigError
 from art_core.rewards import ruler_score_group
 from art_plugins.langgraph import trainable
 
-from .._common import ExampleSettings, LearningResult, learn, open_backend, parse_settings
+from .._common import ExampleSettings, LearningResult, graph_demonstrations, learn, open_backend, parse_settings
 from ..ruler_only import judge_endpoint
 from .agent import MAX_TURNS, MODEL_NAME, build_graph, reward, task_input
 from .expert import email_expert
@@ -96,11 +94,8 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
                 scored = await ruler_score_group(group, rubric=RUBRIC, seed=seed, swallow_exceptions=True, **judge)
                 return scored if scored is not None else group  # a failed judge call keeps the hand reward
 
-            async def demonstrate(questions: Sequence[Question]) -> list[Trajectory]:
-                # The same graph; its calls answered by the expert instead of the trainable model, each recorded.
-                async with email_expert(mailbox) as expert, agent.demonstrations(expert.teacher) as demo:
-                    return list(await asyncio.gather(*(demo.rollout(task_input(q), reward=reward(q))
-                                                       for q in questions)))
+            # The same graph; its calls answered by the expert instead of the trainable model, each recorded.
+            demonstrate = graph_demonstrations(agent, lambda: email_expert(mailbox), task_input, reward)
 
             play = judged if settings.judge else measure
             source = f"RULER (judge {settings.judge!r})" if settings.judge else "the hand-written reward"

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
 
-from art_core import Trajectory, TrainableModel, TrajectoryGroup
+from art_core import TrainableModel, TrajectoryGroup
 from art_plugins.langgraph import trainable
 
-from .._common import ExampleSettings, LearningResult, demonstration_tasks, learn, open_backend, parse_settings
+from .._common import (ExampleSettings, LearningResult, demonstration_tasks, graph_demonstrations, learn,
+                       open_backend, parse_settings)
 from .agent import MODEL_NAME, build_graph, make_tasks, reward
 from .expert import expectimax_expert
 
@@ -39,11 +39,8 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
         async def play(game: dict[str, Any], n: int, seed: int) -> TrajectoryGroup:
             return await agent.group(dict(game), n=n, reward=reward, seed=seed)
 
-        async def demonstrate(games: Sequence[dict[str, Any]]) -> list[Trajectory]:
-            # The same graph; its moves are the expectimax expert's instead of the trainable model's, each recorded.
-            async with expectimax_expert() as expert, agent.demonstrations(expert.teacher) as demo:
-                return list(await asyncio.gather(*(demo.rollout(dict(game), reward=reward) for game in games)))
-
+        # The same graph; its moves are the expectimax expert's instead of the trainable model's, each recorded.
+        demonstrate = graph_demonstrations(agent, expectimax_expert, dict, lambda game: reward)
         eval_tasks = make_tasks(settings.held_out, seed=settings.seed + 10_000)
         demo_tasks = demonstration_tasks(make_tasks, settings.demos, seed=settings.seed + 20_000, held_out=eval_tasks)
         console.print(f"[bold]game_2048[/]: {settings.base_model} plays 2048 (3x3 board, target 16)"

@@ -10,16 +10,15 @@ calls answered by a scripted expert (``expert.py``) that stands in for a strong 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 
 from rich.console import Console
 
-from art_core import Trajectory, TrainableModel, TrajectoryGroup
+from art_core import TrainableModel, TrajectoryGroup
 from art_plugins.langgraph import trainable
 
 from .. import _common
-from .._common import ExampleSettings, LearningResult, learn, open_backend, parse_settings
+from .._common import ExampleSettings, LearningResult, graph_demonstrations, learn, open_backend, parse_settings
 from .agent import MODEL_NAME, CalcTask, build_graph, make_tasks, reward
 from .expert import calculator_expert
 
@@ -54,10 +53,8 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
         async def play(task: CalcTask, n: int, seed: int) -> TrajectoryGroup:
             return await agent.group(task.input(), n=n, reward=reward(task), seed=seed)
 
-        async def demonstrate(tasks: Sequence[CalcTask]) -> list[Trajectory]:
-            # The same graph; its "calc" calls go to the expert instead of the gateway, and each run is recorded.
-            async with calculator_expert() as expert, agent.demonstrations(expert.teacher) as demo:
-                return list(await asyncio.gather(*(demo.rollout(t.input(), reward=reward(t)) for t in tasks)))
+        # The same graph; its "calc" calls go to the expert instead of the gateway, and each run is recorded.
+        demonstrate = graph_demonstrations(agent, calculator_expert, CalcTask.input, reward)
 
         eval_tasks = make_tasks(settings.held_out, seed=settings.seed + 10_000)
         console.print(f"[bold]langgraph_tools[/]: a LangGraph calculator agent on {settings.base_model}, "
