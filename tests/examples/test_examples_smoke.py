@@ -31,6 +31,19 @@ def check_run(result, steps: int = 1) -> None:
     assert result.curve_png is not None and result.curve_png.stat().st_size > 1000
 
 
+def _history(result) -> list[dict]:
+    """The rows of the run's ``history.jsonl``, one per step."""
+    return [json.loads(line) for line in (result.model_dir / "history.jsonl").read_text().splitlines()]
+
+
+def _demonstrations(result):
+    """The one group of step 1's trajectories: the warm start's demonstrations."""
+    from art_core import read_groups_jsonl
+
+    (group,) = read_groups_jsonl(result.model_dir / "trajectories" / "0001.jsonl")
+    return group
+
+
 async def test_langgraph_tools(tiny_model_dir, tmp_path):
     from examples import langgraph_tools
 
@@ -41,7 +54,6 @@ async def test_langgraph_tools(tiny_model_dir, tmp_path):
 async def test_langgraph_tools_warm_starts_with_sft_on_the_experts_demonstrations(tiny_model_dir, tmp_path):
     """``--demos 2``: two runs of the unchanged graph answered by the scripted expert, one SFT step on them (the
     model's step 1, ``kind: "sft"``), then the GRPO step on the same adapter."""
-    from art_core import read_groups_jsonl
     from examples import langgraph_tools
     from examples._common import parse_settings
     from examples.langgraph_tools.agent import make_tasks
@@ -55,7 +67,7 @@ async def test_langgraph_tools_warm_starts_with_sft_on_the_experts_demonstration
     assert result.success_after_sft is not None and 0.0 <= result.success_after_sft <= 1.0
     saved = json.loads((result.model_dir / "learning_result.json").read_text())
     assert (saved["demos_trained"], saved["sft_loss"]) == (2, result.sft_loss)
-    history = [json.loads(line) for line in (result.model_dir / "history.jsonl").read_text().splitlines()]
+    history = _history(result)
     assert (history[0]["kind"], history[0]["step"]) == ("sft", 1)
     # The GRPO step on the same adapter: step 2, or still 1 when the tiny model's rollouts all tied (dropped).
     assert [row["kind"] for row in history] == ["sft", "grpo"]
@@ -64,7 +76,7 @@ async def test_langgraph_tools_warm_starts_with_sft_on_the_experts_demonstration
     # What the SFT step trained on, as written before it: the expert's runs of the demonstration questions.
     questions = langgraph_tools.demonstration_tasks(2, seed=settings.seed + 20_000,
                                                     held_out=make_tasks(settings.held_out, seed=settings.seed + 10_000))
-    (group,) = read_groups_jsonl(result.model_dir / "trajectories" / "0001.jsonl")
+    group = _demonstrations(result)
     assert len(group.trajectories) == 2
     for task, demo in zip(questions, group.trajectories):
         assert demo.metadata["demonstration"] is True and "calculator-expert" in demo.metadata["teacher"]
@@ -123,7 +135,7 @@ async def test_an_example_reports_to_the_trackers_report_to_names(tiny_model_dir
     accumulator = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
     accumulator.Reload()
     # One report, at the model's step after the call (0 when the tiny model's rollouts all scored alike)
-    history = [json.loads(line) for line in (result.model_dir / "history.jsonl").read_text().splitlines()]
+    history = _history(result)
     assert [e.step for e in accumulator.Tensors("train/reward_mean")] == [history[-1]["step"]]
     assert len(accumulator.Tensors("rollout/success_mean")) == 1
 
@@ -154,7 +166,6 @@ async def test_tic_tac_toe(tiny_model_dir, tmp_path):
 
 async def test_tic_tac_toe_warm_starts_with_sft_on_minimax_games(tiny_model_dir, tmp_path):
     """``--demos 2``: two games of the unchanged graph with the minimax expert's moves, the won ones trained on."""
-    from art_core import read_groups_jsonl
     from examples import tic_tac_toe
     from examples._common import parse_settings
     from examples.tic_tac_toe.expert import best_move, parse_board
@@ -162,9 +173,9 @@ async def test_tic_tac_toe_warm_starts_with_sft_on_minimax_games(tiny_model_dir,
     result = await tic_tac_toe.run(parse_settings("tic-tac-toe", tiny(tiny_model_dir, tmp_path), ["--demos", "2"]))
     check_run(result)
     assert result.demos == 2 and result.demos_trained >= 1 and result.sft_loss is not None
-    history = [json.loads(line) for line in (result.model_dir / "history.jsonl").read_text().splitlines()]
+    history = _history(result)
     assert (history[0]["kind"], history[0]["step"]) == ("sft", 1)
-    (group,) = read_groups_jsonl(result.model_dir / "trajectories" / "0001.jsonl")
+    group = _demonstrations(result)
     assert len(group.trajectories) == result.demos_trained
     for game in group.trajectories:
         assert game.metadata["demonstration"] is True and game.metrics["success"] == 1.0
@@ -184,7 +195,6 @@ async def test_game_2048(tiny_model_dir, tmp_path):
 async def test_game_2048_warm_starts_with_sft_on_expectimax_games(tiny_model_dir, tmp_path):
     """``--demos 2 --steps 0``: two games of the unchanged graph with the expectimax expert's moves, one SFT step on
     the won ones, no GRPO step."""
-    from art_core import read_groups_jsonl
     from examples import game_2048
     from examples._common import parse_settings
     from examples.game_2048.expert import best_direction, parse_board
@@ -193,9 +203,9 @@ async def test_game_2048_warm_starts_with_sft_on_expectimax_games(tiny_model_dir
     result = await game_2048.run(settings)
     check_run(result, steps=0)
     assert result.demos == 2 and result.demos_trained >= 1 and result.sft_loss is not None and result.sft_loss > 0
-    history = [json.loads(line) for line in (result.model_dir / "history.jsonl").read_text().splitlines()]
+    history = _history(result)
     assert [(row["kind"], row["step"]) for row in history] == [("sft", 1)]
-    (group,) = read_groups_jsonl(result.model_dir / "trajectories" / "0001.jsonl")
+    group = _demonstrations(result)
     assert len(group.trajectories) == result.demos_trained
     for game in group.trajectories:
         assert game.metadata["demonstration"] is True and game.metrics["success"] == 1.0 and game.reward == 1.0
@@ -237,7 +247,6 @@ async def test_agents_sdk_support(tiny_model_dir, tmp_path):
 async def test_agents_sdk_support_warm_starts_with_sft_on_the_experts_runs(tiny_model_dir, tmp_path):
     """``--demos 2 --steps 0``: two runs of the unchanged agents by ``TrainableRunner.demonstrations``, the expert
     handing off, looking up and answering with the structured output; one SFT step on them, no GRPO step."""
-    from art_core import read_groups_jsonl
     from examples import agents_sdk_support
     from examples._common import parse_settings
 
@@ -245,9 +254,9 @@ async def test_agents_sdk_support_warm_starts_with_sft_on_the_experts_runs(tiny_
     result = await agents_sdk_support.run(settings)
     check_run(result, steps=0)
     assert (result.demos, result.demos_trained) == (2, 2) and result.sft_loss is not None and result.sft_loss > 0
-    history = [json.loads(line) for line in (result.model_dir / "history.jsonl").read_text().splitlines()]
+    history = _history(result)
     assert [(row["kind"], row["step"]) for row in history] == [("sft", 1)]
-    (group,) = read_groups_jsonl(result.model_dir / "trajectories" / "0001.jsonl")
+    group = _demonstrations(result)
     # make_tasks alternates: the first demonstration is an invoice question, the second a service question.
     for run, (handoff, lookup, department) in zip(group.trajectories, [
             ("transfer_to_billing", "invoice_total", "billing"), ("transfer_to_technical", "service_status",
@@ -283,7 +292,6 @@ async def test_email_search(tiny_model_dir, tmp_path):
 async def test_email_search_warm_starts_with_sft_on_the_experts_runs(tiny_model_dir, tmp_path):
     """``--demos 2 --steps 0``: two runs of the unchanged graph answered by the expert (search, read the source,
     answer citing it), one SFT step on them, no GRPO step."""
-    from art_core import read_groups_jsonl
     from examples import email_search
     from examples._common import parse_settings
     from examples.email_search.mailbox import Mailbox
@@ -292,11 +300,11 @@ async def test_email_search_warm_starts_with_sft_on_the_experts_runs(tiny_model_
     result = await email_search.run(settings)
     check_run(result, steps=0)
     assert (result.demos, result.demos_trained) == (2, 2) and result.sft_loss is not None and result.sft_loss > 0
-    history = [json.loads(line) for line in (result.model_dir / "history.jsonl").read_text().splitlines()]
+    history = _history(result)
     assert [(row["kind"], row["step"]) for row in history] == [("sft", 1)]
     mailbox = Mailbox(seed=settings.seed)
     questions = email_search.demonstration_questions(mailbox, 2, train=0, held_out=settings.held_out)
-    (group,) = read_groups_jsonl(result.model_dir / "trajectories" / "0001.jsonl")
+    group = _demonstrations(result)
     for question, run in zip(questions, group.trajectories, strict=True):
         assert run.metadata["demonstration"] is True and run.metrics["success"] == 1.0
         assert run.reward == pytest.approx(1.0)  # every mark: found, read, cited, answered
