@@ -50,7 +50,8 @@ async def bounded(fn: Callable[[], Any], timeout: float, *,
     if keep is not None:
         keep(future)
     try:
-        return True, await asyncio.wait_for(asyncio.shield(future), timeout)
+        async with asyncio.timeout(timeout):  # not wait_for: on 3.11 it can swallow the caller's cancellation
+            return True, await asyncio.shield(future)
     except TimeoutError:
         return False, None
 

@@ -56,6 +56,28 @@ async def test_a_check_that_never_answers_is_reported_as_such(engine: FakeEngine
     assert report == {"health_error": "engine.health() did not answer within 0.05 s"} and age is None
 
 
+async def test_closing_as_a_check_answers_ends_the_checks():
+    """The gateway's close once hung a whole CI run: on Python 3.11 ``asyncio.wait_for`` swallows a cancellation
+    that lands as the awaited check finishes, and the polling task went on forever while ``aclose`` waited for it.
+
+    The engine here starts the close from inside its own health check, so the cancellation lands exactly then
+    (a real engine's check cannot be timed to that moment). The close must end; the bound only stops a hang."""
+    class ClosesWhileAnswering:
+        monitor: EngineHealth
+        closing: asyncio.Task[None] | None = None
+
+        async def health(self) -> dict[str, Any]:
+            if self.closing is None:
+                self.closing = asyncio.ensure_future(self.monitor.aclose())
+            return {"ok": True}
+
+    engine = ClosesWhileAnswering()
+    engine.monitor = EngineHealth(engine, interval=0.0)  # type: ignore[arg-type]
+    await engine.monitor.start()
+    async with asyncio.timeout(60):
+        await asyncio.shield(engine.closing)  # type: ignore[arg-type]
+
+
 async def test_a_gateway_served_by_a_host_app_starts_its_checks_on_the_first_request(engine: FakeEngine,
                                                                                      tmp_path: Path):
     gateway = Gateway(engine, GatewaySettings(records_path=tmp_path / "r.jsonl")).attach("http://host/gw")

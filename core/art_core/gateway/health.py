@@ -91,9 +91,13 @@ class EngineHealth:
                 await task
 
     async def _poll(self) -> None:
-        while True:
+        while not self._closed:
             try:
-                self._report = dict(await asyncio.wait_for(self._engine.health(), self.timeout))
+                # asyncio.timeout, not wait_for: on Python 3.11, wait_for swallows a cancellation that arrives as
+                # the check finishes, and aclose() then waited forever for a task that went on polling.
+                async with asyncio.timeout(self.timeout):
+                    report = await self._engine.health()
+                self._report = dict(report)
                 self._at, self._error = time.monotonic(), None
             except asyncio.TimeoutError:
                 self._error = f"engine.health() did not answer within {self.timeout:g} s"

@@ -264,6 +264,7 @@ class RolloutPool:
         """Start a new worker for each one whose node is gone, so the next gather has the full pool."""
         for wi, worker in enumerate(self.workers):
             try:
-                await asyncio.wait_for(worker.ping.remote(), timeout=30)
+                async with asyncio.timeout(30):  # not wait_for: on 3.11 it can swallow a cancellation
+                    await worker.ping.remote()
             except Exception:  # any failure to answer: replace it
                 self.workers[wi] = self._make()

@@ -203,7 +203,8 @@ class TrainerGroup:
         bundle = {"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {}), **(extra or {})}
         pg = placement_group([dict(bundle) for _ in range(workers)], strategy=strategy)
         try:
-            await asyncio.wait_for(pg.ready(), timeout=timeout_s)
+            async with asyncio.timeout(timeout_s):  # not wait_for: on 3.11 it can swallow a cancellation
+                await pg.ready()
         except TimeoutError as exc:
             ray.util.remove_placement_group(pg)
             raise ConfigError(f"the cluster cannot place {workers} trainer rank(s) of {bundle} each "
