@@ -165,3 +165,42 @@ async def test_a_schema_llguidance_refuses_is_a_400_naming_it(engine, tmp_path):
         ok = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                                   max_tokens=4)
         assert ok.choices[0].message.content is not None
+
+
+ANSWER = {"type": "object", "properties": {"department": {"enum": ["billing", "technical"]}},
+          "required": ["department"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("response_format", [
+    {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}, {"type": "json_object"}],
+    ids=["json_schema", "json_object"])
+def test_tools_beside_a_response_format_allow_a_call_or_the_answer(tiny_model_dir, response_format):
+    """``tool_choice`` "auto" with a ``response_format``, as the Agents SDK sends for an agent with tools and an
+    ``output_type``: the reply may call the tools or give the structured answer. Constraining it to the schema
+    alone left the tools uncallable (no lookup call in 72 runs of examples/agents_sdk_support)."""
+    from transformers import AutoTokenizer
+
+    from art_core.engines._structured import JsonSchemaGuide
+    from art_core.gateway.parsing import sampling_params
+    from art_core.gateway.schemas import ChatCompletionRequest
+
+    request = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS,
+               "response_format": response_format}
+    body = ChatCompletionRequest.model_validate(request)
+    params = sampling_params(body, GatewaySettings(model_name="tiny"))
+    assert params.json_schema is None and params.grammar is not None
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    guide = JsonSchemaGuide(tokenizer, vocab_size=len(tokenizer), stop_ids=[tokenizer.eos_token_id])
+
+    def accepts(text: str) -> bool:
+        matcher = guide.matcher(grammar=params.grammar)
+        return all(matcher.consume_token(t) for t in tokenizer.encode(text, add_special_tokens=False)) and \
+            matcher.is_accepting()
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+    assert accepts(call) and accepts(call + "\n" + call.replace("Oslo", "Paris"))
+    assert accepts('{"department": "billing"}')
+    assert not accepts("Hello there")  # neither a call nor the answer
+    assert not accepts('<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>')
+    none = ChatCompletionRequest.model_validate({**request, "tool_choice": "none"})
+    assert sampling_params(none, GatewaySettings(model_name="tiny")).grammar is None  # no tools: the schema alone

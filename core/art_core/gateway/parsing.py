@@ -173,6 +173,11 @@ def sampling_params(body: ChatCompletionRequest, settings: GatewaySettings, *,
         json_schema = {"type": "object"}  # "any JSON object": engines that constrain output get the same rule
     elif body.response_format is not None and body.response_format.json_schema is not None:
         json_schema = body.response_format.json_schema.schema_
+    if json_schema is not None and body.tools and body.tool_choice != "none":
+        # Tools offered with tool_choice "auto" and a response_format: the reply is tool calls or the structured
+        # answer. Constraining it to the schema alone would leave the tools uncallable.
+        tools = [(t.function.name, t.function.parameters) for t in body.tools]
+        json_schema, grammar = None, hermes_tool_call_grammar(tools, multiple=True, or_json=json_schema)
     return SamplingParams(
         max_tokens=asked if asked is not None else min(settings.default_max_tokens, settings.max_tokens_limit),
         temperature=1.0 if body.temperature is None else body.temperature,

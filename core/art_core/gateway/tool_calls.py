@@ -311,7 +311,8 @@ class ToolCallStream:
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def hermes_tool_call_grammar(tools: list[tuple[str, dict[str, Any] | None]], *, multiple: bool = True) -> str:
+def hermes_tool_call_grammar(tools: list[tuple[str, dict[str, Any] | None]], *, multiple: bool = True,
+                             or_json: dict[str, Any] | None = None) -> str:
     """A Lark grammar (llguidance) whose every sentence is Hermes tool-call blocks, one per call::
 
         <tool_call>
@@ -322,9 +323,14 @@ def hermes_tool_call_grammar(tools: list[tuple[str, dict[str, Any] | None]], *, 
     that tool, ``multiple=False``: exactly one block) constrains a completion to. Each call is an embedded
     ``%json`` schema, written with the same fixed separators as ``json.dumps`` (``engines/_structured.py``).
 
+    With ``or_json``, a sentence may instead be one JSON value of that schema: what ``tool_choice="auto"`` with a
+    ``response_format`` means (call tools, or give the structured answer; the Agents SDK sends both for an agent
+    with tools and an ``output_type``).
+
     Args:
         tools: ``(name, parameters schema)`` per tool; a schema of None or ``{}`` means no arguments.
         multiple: allow several blocks, separated by newlines.
+        or_json: the schema of the alternative answer; None: tool calls only.
     """
     alternatives = []
     for name, parameters in tools:
@@ -332,13 +338,16 @@ def hermes_tool_call_grammar(tools: list[tuple[str, dict[str, Any] | None]], *, 
         schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
                   "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": _JSON_OPTIONS}
         alternatives.append("%json " + json.dumps(schema))
+    calls = 'call ("\\n" call)*' if multiple else "call"
     rules = [
         "%llguidance {}",
-        'start: call ("\\n" call)*' if multiple else "start: call",
+        f"start: {calls} | answer" if or_json is not None else f"start: {calls}",
         'call: "<tool_call>\\n" body "\\n</tool_call>"',
         *(f"body{i}: {alt}" for i, alt in enumerate(alternatives)),
         "body: " + " | ".join(f"body{i}" for i in range(len(alternatives))),
     ]
+    if or_json is not None:
+        rules.append("answer: %json " + json.dumps({**or_json, "x-guidance": _JSON_OPTIONS}))
     return "\n".join(rules) + "\n"
 
 
