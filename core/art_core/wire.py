@@ -12,7 +12,7 @@ Gateway headers (``/v1/chat/completions`` and ``/v1/responses``): a request may 
 Training API (prefix ``API_PREFIX``, every route behind the bearer token)::
 
     GET  /health                                     server version and registered models
-    POST /models                                     ModelSpec -> Registered
+    POST /models                                     ModelSpec -> Registered (or server-sent events, below)
     POST /models/{project}/{name}/train              TrainRequest (GRPO or SFT) -> server-sent events
     GET  /models/{project}/{name}/train/{train_id}   re-attach to a train call's events
     POST /models/{project}/{name}/sample             SampleRequest -> list[Trajectory]
@@ -26,7 +26,10 @@ a ``RolloutStatus``).
 
 A train call answers with server-sent events, one JSON object each: ``accepted`` (``{"train_id", "state"}``,
 state ``new``, ``running`` or ``done``), ``progress`` (``{"done", "total"}``) as micro-batches finish, then
-exactly one of ``result`` (a ``TrainResult``) or ``error`` (an ``ErrorBody``).
+exactly one of ``result`` (a ``TrainResult``) or ``error`` (an ``ErrorBody``). A registration sent with
+``Accept: text/event-stream`` answers with ``loading`` (``{"seconds"}``) at once and every few seconds while the
+model loads, then exactly one of ``registered`` (a ``Registered``) or ``error``; without that header it answers
+one JSON ``Registered`` once the model is loaded.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ connection drops during a step, the client re-attaches to it for up to ``reconne
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gzip
 import json
@@ -119,10 +120,32 @@ class RemoteBackend:
 
     async def register(self, model: ModelSpec) -> int:
         self._models.check_new(model)
-        response = await self._call("POST", "/models", content=model.model_dump_json().encode())
-        registered = Registered.model_validate_json(response.content)
+        registered = await self._register(model)
         self._models.add(model, registered)
         return registered.step
+
+    async def _register(self, model: ModelSpec) -> Registered:
+        """POST the spec and follow the server's events until the model is loaded there.
+
+        The server sends a ``loading`` event every few seconds while it loads, so ``timeout`` bounds the silence
+        of a server that stopped answering, never the load itself (minutes for a large model).
+        """
+        events = self._events("POST", API_PREFIX + "/models", content=model.model_dump_json().encode(),
+                              read=self.timeout)
+        try:
+            async with contextlib.aclosing(events):
+                async for kind, data in events:
+                    if kind == "loading":
+                        logger.debug("registering %s/%s: the server has loaded it for %s s", model.project,
+                                     model.name, data["seconds"])
+                    elif kind == "registered":
+                        return Registered.model_validate(data)
+                    elif kind == "error":
+                        raise error_from_wire(ErrorBody.model_validate(data))
+        except httpx.TransportError as exc:
+            raise self._unavailable(exc, during=f"the registration of {model.name!r}") from exc
+        raise ServerError(f"the server at {self.url} ended the registration of {model.name!r} before the model "
+                          "was loaded: see the server's log")
 
     def base_url(self, model: ModelSpec) -> str:
         return self._gateway_url(model) + "/v1"
@@ -189,7 +212,7 @@ class RemoteBackend:
                     if deadline is None:  # no restart seen: the model was never registered there
                         raise
                     # The server restarted and lost its registrations: register again, then resend the call.
-                    await self._call("POST", "/models", content=model.model_dump_json().encode())
+                    await self._register(model)
                     attach = False
                 except (httpx.TransportError, ServerUnavailableError) as exc:
                     now = time.monotonic()
@@ -253,15 +276,18 @@ class RemoteBackend:
         self._raise_for_error(response)
         return response
 
-    async def _events(self, method: str, path: str, *,
-                      content: bytes | None = None) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-        """The server-sent events of a train call, as ``(kind, data)``."""
+    async def _events(self, method: str, path: str, *, content: bytes | None = None,
+                      read: float | None = None) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """The server-sent events of a call, as ``(kind, data)``.
+
+        ``read``: the longest silence between two reads. None (a train call's) waits as long as it takes: a step
+        may take minutes between two progress events on a big model.
+        """
         headers = {"Accept": "text/event-stream"}
         if content is not None:
             content, more = self._encode(content)
             headers.update(more)
-        # No read timeout: a step may take minutes between two progress events on a big model.
-        timeout = httpx.Timeout(self.timeout, read=None)
+        timeout = httpx.Timeout(self.timeout, read=read)
         self._check_open()
         async with self._http.client() as client, client.stream(method, self.url + path, content=content,
                                                                 headers=headers, timeout=timeout) as response:

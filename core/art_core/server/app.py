@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -52,9 +53,12 @@ from ..wire import (
 if TYPE_CHECKING:
     from ..gateway import Gateway
 
-__all__ = ["ServedBackend", "ServerApp", "create_server_app"]
+__all__ = ["REGISTER_HEARTBEAT_S", "ServedBackend", "ServerApp", "create_server_app"]
 
 logger = logging.getLogger(__name__)
+
+REGISTER_HEARTBEAT_S = 5.0
+"""Seconds between a registration's ``loading`` events: well under any client's read timeout (60 s default)."""
 
 # Most specific first: the first class an error is an instance of gives the status.
 _STATUS: list[tuple[type[ArtError], int]] = [
@@ -83,13 +87,15 @@ class ServedBackend(Backend, Protocol):
         ...
 
 
-def create_server_app(backend: ServedBackend, *, token: str | None, max_body_bytes: int) -> ServerApp:
+def create_server_app(backend: ServedBackend, *, token: str | None, max_body_bytes: int,
+                      heartbeat: float = REGISTER_HEARTBEAT_S) -> ServerApp:
     """Build the server's app over ``backend`` (see ``run.serve``).
 
     Args:
         backend: trains and serves the models.
         token: the bearer token every route wants; None only on a loopback host.
         max_body_bytes: largest training-API body, before and after gzip.
+        heartbeat: seconds between the ``loading`` events of a registration that asked for events.
 
     Returns:
         The app; ``app.jobs`` holds the train calls (``aclose`` them on shutdown).
@@ -97,6 +103,7 @@ def create_server_app(backend: ServedBackend, *, token: str | None, max_body_byt
     served = _ServedModels()
     jobs = TrainJobs()
     registering = asyncio.Lock()  # two clients registering one model at once: one loads it, one attaches
+    loads: set[asyncio.Task[Registered]] = set()  # registrations under way (a task holds only a weak reference)
 
     def spec_of(request: Request) -> ModelSpec:
         key = (request.path_params["project"], request.path_params["name"])
@@ -112,6 +119,21 @@ def create_server_app(backend: ServedBackend, *, token: str | None, max_body_byt
 
     async def register(request: Request) -> Response:
         spec = _parse(ModelSpec, await request.body())
+        # The load runs in a task of its own: a client that leaves mid-load does not cut it in half, and its
+        # next registration of the same spec attaches to the loaded model.
+        load = asyncio.ensure_future(load_model(spec))
+        loads.add(load)
+        load.add_done_callback(finished)
+        if "text/event-stream" in request.headers.get("accept", ""):
+            return _loading_events(load, heartbeat)
+        return _json(await asyncio.shield(load))  # a client that asked for one JSON answer
+
+    def finished(load: asyncio.Task[Registered]) -> None:
+        loads.discard(load)
+        if not load.cancelled():
+            load.exception()  # retrieved here: a failure whose client had left is not an "unretrieved" error
+
+    async def load_model(spec: ModelSpec) -> Registered:
         key = (spec.project, spec.name)
         async with registering:
             known = served.specs.get(key)
@@ -123,7 +145,7 @@ def create_server_app(backend: ServedBackend, *, token: str | None, max_body_byt
                                      f"this server with another spec ({_spec_diff(known, spec)}): use another name")
             else:  # the same model again (its client restarted): attach to what is served
                 step = backend.current_step(spec)
-        return _json(Registered(step=step, model_dir=str(backend.model_dir(spec))))
+        return Registered(step=step, model_dir=str(backend.model_dir(spec)))
 
     async def train(request: Request) -> Response:
         spec = spec_of(request)
@@ -248,6 +270,34 @@ def _events(train_id: str, state: str, events: AsyncIterator[tuple[str, dict[str
             yield _sse(kind, data)
 
     # no-cache and no proxy buffering: progress must reach the client as it happens.
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _loading_events(load: asyncio.Future[Registered], heartbeat: float) -> StreamingResponse:
+    """A registration as server-sent events: ``loading`` at once and every ``heartbeat`` seconds while the
+    model loads, then ``registered`` (a ``Registered``) or ``error`` (an ``ErrorBody``).
+
+    A load takes as long as the model and the machine make it (minutes for a large model, or Ray actors
+    starting on a busy cluster); the heartbeats keep the client's read timeout for a server that stopped
+    answering, not for a load that takes long."""
+    async def stream() -> AsyncIterator[bytes]:
+        started = time.monotonic()
+        while True:
+            yield _sse("loading", {"seconds": round(time.monotonic() - started, 1)})
+            done, _ = await asyncio.wait({load}, timeout=heartbeat)
+            if done:
+                break
+        try:
+            registered = load.result()
+        except Exception as exc:  # the client raises the same class with the same message
+            if not isinstance(exc, ArtError):
+                logger.exception("registering a model failed")
+            kind = "ConfigError" if isinstance(exc, _BadBody) else type(exc).__name__
+            yield _sse("error", {"type": kind, "message": str(exc), "param": getattr(exc, "field", None)})
+        else:
+            yield _sse("registered", registered.model_dump(mode="json"))
+
     return StreamingResponse(stream(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
