@@ -269,8 +269,12 @@ def _events(train_id: str, state: str, events: AsyncIterator[tuple[str, dict[str
         async for kind, data in events:
             yield _sse(kind, data)
 
+    return _event_stream(stream())
+
+
+def _event_stream(chunks: AsyncIterator[bytes]) -> StreamingResponse:
     # no-cache and no proxy buffering: progress must reach the client as it happens.
-    return StreamingResponse(stream(), media_type="text/event-stream",
+    return StreamingResponse(chunks, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
@@ -293,13 +297,11 @@ def _loading_events(load: asyncio.Future[Registered], heartbeat: float) -> Strea
         except Exception as exc:  # the client raises the same class with the same message
             if not isinstance(exc, ArtError):
                 logger.exception("registering a model failed")
-            kind = "ConfigError" if isinstance(exc, _BadBody) else type(exc).__name__
-            yield _sse("error", {"type": kind, "message": str(exc), "param": getattr(exc, "field", None)})
+            yield _sse("error", _error_fields(exc))
         else:
             yield _sse("registered", registered.model_dump(mode="json"))
 
-    return StreamingResponse(stream(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _event_stream(stream())
 
 
 def _sse(kind: str, data: dict[str, Any]) -> bytes:
@@ -314,10 +316,16 @@ def _error(status: int, type_: str, message: str, param: str | None = None) -> J
     return JSONResponse({"error": {"type": type_, "message": message, "param": param}}, status_code=status)
 
 
+def _error_fields(exc: Exception) -> dict[str, Any]:
+    """An ``ErrorBody``'s fields for ``exc``: the client raises the same class with the same message."""
+    kind = "ConfigError" if isinstance(exc, _BadBody) else type(exc).__name__
+    return {"type": kind, "message": str(exc), "param": getattr(exc, "field", None)}
+
+
 async def _art_error(request: Request, exc: Exception) -> Response:
     status = next(code for cls, code in _STATUS if isinstance(exc, cls))
-    kind = "ConfigError" if isinstance(exc, _BadBody) else type(exc).__name__
-    return _error(status, kind, str(exc), getattr(exc, "field", None))
+    fields = _error_fields(exc)
+    return _error(status, fields["type"], fields["message"], fields["param"])
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
