@@ -48,7 +48,8 @@ def service_status(service: str) -> str:
 
 def build_agent(*, max_tokens: int = 64, temperature: float = 1.0) -> Agent[Any]:
     """The triage agent, with its two specialists as handoffs."""
-    settings = ModelSettings(max_tokens=max_tokens, temperature=temperature)
+    # One call per turn (one handoff, one lookup): "one or more" let the small model write calls until max_tokens.
+    settings = ModelSettings(max_tokens=max_tokens, temperature=temperature, parallel_tool_calls=False)
     billing = Agent(name="Billing", instructions="You handle invoices. Look the invoice up with invoice_total, "
                     "then answer with department 'billing' and the amount in the reply.",
                     tools=[invoice_total], output_type=SupportAnswer, model=MODEL_NAME, model_settings=settings)

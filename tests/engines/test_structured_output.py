@@ -204,3 +204,32 @@ def test_tools_beside_a_response_format_allow_a_call_or_the_answer(tiny_model_di
     assert not accepts('<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>')
     none = ChatCompletionRequest.model_validate({**request, "tool_choice": "none"})
     assert sampling_params(none, GatewaySettings(model_name="tiny")).grammar is None  # no tools: the schema alone
+
+
+@pytest.mark.parametrize("extra", [{"tool_choice": "required"},
+                                   {"response_format": {"type": "json_object"}}], ids=["required", "beside_a_format"])
+def test_parallel_tool_calls_false_allows_one_call(tiny_model_dir, extra):
+    """``parallel_tool_calls: false`` (the Agents SDK's ``ModelSettings(parallel_tool_calls=False)``): one call at
+    most. A small model given "one or more" went on writing calls until its token limit (examples/agents_sdk_support's
+    triage: two handoffs and a third cut at 64 tokens, which the SDK then refuses as an incomplete response)."""
+    from transformers import AutoTokenizer
+
+    from art_core.engines._structured import JsonSchemaGuide
+    from art_core.gateway.parsing import sampling_params
+    from art_core.gateway.schemas import ChatCompletionRequest
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    guide = JsonSchemaGuide(tokenizer, vocab_size=len(tokenizer), stop_ids=[tokenizer.eos_token_id])
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+    two = call + "\n" + call.replace("Oslo", "Paris")
+
+    def accepts(parallel: bool | None, text: str) -> bool:
+        request = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS, **extra,
+                   **({} if parallel is None else {"parallel_tool_calls": parallel})}
+        params = sampling_params(ChatCompletionRequest.model_validate(request), GatewaySettings(model_name="tiny"))
+        matcher = guide.matcher(grammar=params.grammar)
+        return all(matcher.consume_token(t) for t in tokenizer.encode(text, add_special_tokens=False)) and \
+            matcher.is_accepting()
+
+    assert accepts(False, call) and not accepts(False, two)
+    assert accepts(None, two) and accepts(True, two)  # unset: one or more, as before

@@ -159,6 +159,7 @@ def sampling_params(body: ChatCompletionRequest, settings: GatewaySettings, *,
     """
     asked, _ = chat_max_tokens(body)
     json_schema, grammar = None, None
+    one_or_more = body.parallel_tool_calls is not False  # False: at most one call, as OpenAI's models honour it
     if body.tools and (body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice)):
         if body.response_format is not None and body.response_format.type != "text":
             raise APIError(400, "tool_choice 'required' or a named function cannot be combined with response_format "
@@ -168,7 +169,7 @@ def sampling_params(body: ChatCompletionRequest, settings: GatewaySettings, *,
         tools = [(t.function.name, t.function.parameters) for t in body.tools]
         if isinstance(body.tool_choice, NamedToolChoice):
             tools = [t for t in tools if t[0] == body.tool_choice.function.name]
-        grammar = hermes_tool_call_grammar(tools, multiple=body.tool_choice == "required")
+        grammar = hermes_tool_call_grammar(tools, multiple=body.tool_choice == "required" and one_or_more)
     elif body.response_format is not None and body.response_format.type == "json_object":
         json_schema = {"type": "object"}  # "any JSON object": engines that constrain output get the same rule
     elif body.response_format is not None and body.response_format.json_schema is not None:
@@ -177,7 +178,7 @@ def sampling_params(body: ChatCompletionRequest, settings: GatewaySettings, *,
         # Tools offered with tool_choice "auto" and a response_format: the reply is tool calls or the structured
         # answer. Constraining it to the schema alone would leave the tools uncallable.
         tools = [(t.function.name, t.function.parameters) for t in body.tools]
-        json_schema, grammar = None, hermes_tool_call_grammar(tools, multiple=True, or_json=json_schema)
+        json_schema, grammar = None, hermes_tool_call_grammar(tools, multiple=one_or_more, or_json=json_schema)
     return SamplingParams(
         max_tokens=asked if asked is not None else min(settings.default_max_tokens, settings.max_tokens_limit),
         temperature=1.0 if body.temperature is None else body.temperature,

@@ -399,6 +399,7 @@ def _as_chat_request(
         "temperature": body.temperature,
         "top_p": body.top_p,
         "max_completion_tokens": body.max_output_tokens,
+        "parallel_tool_calls": body.parallel_tool_calls,
         "logprobs": logprobs,
         "top_logprobs": body.top_logprobs if logprobs else None,
         "response_format": None if fmt is None else {"type": fmt.type, "json_schema": {

@@ -143,7 +143,8 @@ class ChatCompletionRequest(_Loose):
     supports it (``SamplingParams.grammar``): the completion is Hermes ``<tool_call>`` blocks whose
     arguments follow the tool's ``parameters`` schema."""
     parallel_tool_calls: bool | None = None
-    """Accepted; the model may write several calls either way."""
+    """False: one call at most where the reply is constrained (``tool_choice`` "required" or a named function, or
+    tools beside a ``response_format``); with plain "auto" the model may still write several."""
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     """Default 1; 0 is greedy."""
     top_p: float | None = Field(None, gt=0.0, le=1.0)
