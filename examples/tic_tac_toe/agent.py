@@ -2,8 +2,9 @@
 
 The graph alternates two nodes until the game ends:
 
-- ``player``: the chat model sees the board and must call ``make_move(row, col)`` (rows and columns 1-3;
-  ``tool_choice="required"``, so the reply is a well-formed call and the cell is the model's choice);
+- ``player``: the chat model sees the board, its empty cells drawn as their numbers (1-9, row by row), and must
+  call ``make_move(cell)`` (``tool_choice="required"``, so the reply is a well-formed call and the cell is the
+  model's choice);
 - ``referee``: plain Python. It plays the model's move (an illegal or missing move ends the game), then a
   random opponent's, and decides whether the game is over.
 
@@ -11,7 +12,7 @@ Each turn the player sees a fresh prompt (the rules and the current board), so t
 the adapter records each turn's context as its own history of the one trajectory.
 
 Reward: win 1, draw 0.5, loss 0; an invalid move (no call, a malformed call, an occupied or off-board cell)
-ends the game at -1. Success (held-out): a win.
+ends the game at -1, plus 0.2 for each valid move before it. Success (held-out): a win.
 """
 
 from __future__ import annotations
@@ -26,18 +27,18 @@ from langgraph.graph import END, START, StateGraph
 
 from art_core import Trajectory
 
-__all__ = ["MODEL_NAME", "build_graph", "make_tasks", "reward"]
+__all__ = ["MODEL_NAME", "VALID_MOVE_CREDIT", "build_graph", "make_tasks", "reward"]
 
 MODEL_NAME = "tic-tac-toe"
 _LINES = [(0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6)]
-SYSTEM = ("You play tic-tac-toe as X against O. Call make_move with the row and column (1 to 3) of an "
-          "empty cell ('.'). Three X in a row wins.")
+SYSTEM = ("You play tic-tac-toe as X against O. The board shows X, O and the number of each empty cell. Call "
+          "make_move with the number of an empty cell. Three X in a row, column or diagonal wins.")
 
 
 @tool
-def make_move(row: int, col: int) -> str:
-    """Put an X in the empty cell at row (1-3) and column (1-3)."""
-    return f"X at row {row}, column {col}"  # the referee node plays it; this is the schema the model sees
+def make_move(cell: int) -> str:
+    """Put an X in the empty cell with this number (1-9, as the board shows it)."""
+    return f"X in cell {cell}"  # the referee node plays it; this is the schema the model sees
 
 
 class Game(TypedDict, total=False):
@@ -59,7 +60,14 @@ def winner(board: list[str]) -> str | None:
 
 
 def render(board: list[str]) -> str:
-    return "\n".join(" ".join(board[r * 3:(r + 1) * 3]) for r in range(3))
+    """The board as the player sees it: X, O, and each empty cell's number (1-9, row by row).
+
+    A small model picks a legal cell far more often when it can copy a number it sees than when it must turn a
+    ``.``'s position into coordinates (SmolLM2-135M after SFT on 56 minimax games: 27 of 32 held-out games ended
+    on an occupied cell with ``make_move(row, col)`` and a board of dots).
+    """
+    cells = [c if c != "." else str(i + 1) for i, c in enumerate(board)]
+    return "\n".join(" ".join(cells[r * 3:(r + 1) * 3]) for r in range(3))
 
 
 def build_graph(*, base_url: str = "http://127.0.0.1:9/v1", temperature: float = 1.0, max_tokens: int = 48) -> Any:
@@ -68,7 +76,7 @@ def build_graph(*, base_url: str = "http://127.0.0.1:9/v1", temperature: float =
                      max_tokens=max_tokens).bind_tools([make_move], tool_choice="required")
 
     async def player(game: Game) -> Game:
-        prompt = f"Board (row 1 at the top):\n{render(game['board'])}\nYour move?"
+        prompt = f"Board:\n{render(game['board'])}\nYour move?"
         return {"last_reply": await llm.ainvoke([SystemMessage(SYSTEM), HumanMessage(prompt)])}
 
     def referee(game: Game) -> Game:
@@ -101,10 +109,11 @@ def build_graph(*, base_url: str = "http://127.0.0.1:9/v1", temperature: float =
 
 
 def _cell(args: dict[str, Any]) -> int | None:
-    row, col = args.get("row"), args.get("col")
-    if not isinstance(row, int) or not isinstance(col, int) or not (1 <= row <= 3 and 1 <= col <= 3):
+    """The board index (0-8) of a ``make_move`` call's cell, or None when it names no cell."""
+    cell = args.get("cell")
+    if not isinstance(cell, int) or isinstance(cell, bool) or not 1 <= cell <= 9:
         return None
-    return (row - 1) * 3 + (col - 1)
+    return cell - 1
 
 
 def make_tasks(n: int, *, seed: int) -> list[dict[str, Any]]:
@@ -120,13 +129,20 @@ def make_tasks(n: int, *, seed: int) -> list[dict[str, Any]]:
 
 
 _REWARDS = {"win": 1.0, "draw": 0.5, "loss": 0.0, "invalid": -1.0}
+VALID_MOVE_CREDIT = 0.2
+"""Partial credit for each valid move made before an invalid one: a game that goes wrong on its fourth move
+(-0.4) beats one that goes wrong on its first (-1.0), so a group whose games all end invalid still has a
+gradient; even four valid moves (-0.2) stay below a loss (0)."""
 
 
 def reward(trajectory: Trajectory, game: Game | None) -> float:
-    """Win 1, draw 0.5, loss 0, invalid move -1 (a game cut short by the step limit counts as a loss)."""
+    """Win 1, draw 0.5, loss 0 (also a game cut short by the step limit); an invalid move -1 plus
+    ``VALID_MOVE_CREDIT`` per valid move before it."""
     outcome = (game or {}).get("outcome", "loss")
     moves = (game or {}).get("turn", 0)
     calls = moves + (outcome == "invalid")
     trajectory.metrics.update({"success": float(outcome == "win"), "moves": float(moves),
                                "valid_tool_calls": moves / calls if calls else 0.0})
+    if outcome == "invalid":
+        return _REWARDS["invalid"] + VALID_MOVE_CREDIT * moves
     return _REWARDS[outcome]

@@ -1,8 +1,9 @@
 """The tic-tac-toe player's scripted expert: the teacher of ``--demos`` (see ``examples._expert``).
 
 It stands in for a strong hosted model (a scripted expert): it reads the board from the conversation's last user
-message and calls ``make_move`` on the cell minimax picks for X (a win now before a win later, a loss as late as
-possible), the move a perfect player makes against any opponent.
+message and calls ``make_move`` on the cell that wins most often against the example's opponent, who plays a random
+empty cell. Against that opponent it beats minimax, which assumes a perfect one: 96% wins over 2,000 of the
+example's games, where minimax wins 90% and draws the rest.
 """
 
 from __future__ import annotations
@@ -14,42 +15,43 @@ from typing import Any
 from .._expert import ScriptedExpert, ToolCall, message_text
 from .agent import winner
 
-__all__ = ["EXPERT_NAME", "best_move", "minimax_expert", "minimax_policy", "parse_board"]
+__all__ = ["EXPERT_NAME", "PREFERENCE", "best_move", "expert_policy", "parse_board", "tic_tac_toe_expert"]
 
-EXPERT_NAME = "minimax-expert"
+EXPERT_NAME = "tic-tac-toe-expert"
+PREFERENCE = (4, 0, 2, 6, 8, 1, 3, 5, 7)
+"""Among cells that win equally often: the centre, then the corners, then the edges (one fixed order, so the
+demonstrations are consistent and easier to imitate)."""
 
-_ROW = re.compile(r"^\s*([XO.]) ([XO.]) ([XO.])\s*$", re.MULTILINE)
+_ROW = re.compile(r"^\s*([XO1-9]) ([XO1-9]) ([XO1-9])\s*$", re.MULTILINE)
 
 
 def parse_board(text: str) -> list[str]:
-    """The nine cells of the board drawn in ``text`` (three rows of ``X``, ``O`` or ``.``, as ``agent.render``).
+    """The nine cells of the board drawn in ``text`` (three rows of ``X``, ``O`` or an empty cell's number, as
+    ``agent.render`` draws them), empty cells as ``.``.
 
     Raises:
         ValueError: the text holds no 3 x 3 board.
     """
     rows = _ROW.findall(text)
     if len(rows) != 3:
-        raise ValueError(f"no 3 x 3 board of 'X', 'O' and '.' in {text[:120]!r}")
-    return [cell for row in rows for cell in row]
+        raise ValueError(f"no 3 x 3 board of 'X', 'O' and cell numbers in {text[:120]!r}")
+    return [cell if cell in "XO" else "." for row in rows for cell in row]
 
 
 @functools.cache
-def _value(board: str, player: str) -> int:
-    """Minimax value for X of ``board`` with ``player`` to move: +(10 - moves) for an X win, -(10 - moves) for an
-    O win, 0 for a draw (the moves count makes a faster win, and a slower loss, worth more)."""
+def win_chance(board: str, x_to_move: bool) -> float:
+    """The probability that X wins from ``board`` when X plays its best and O a uniformly random empty cell."""
     won = winner(list(board))
-    moves = 9 - board.count(".")
-    if won is not None:
-        return (10 - moves) * (1 if won == "X" else -1)
-    if "." not in board:
-        return 0
-    other = "O" if player == "X" else "X"
-    values = [_value(board[:i] + player + board[i + 1:], other) for i, cell in enumerate(board) if cell == "."]
-    return max(values) if player == "X" else min(values)
+    if won is not None or "." not in board:
+        return 1.0 if won == "X" else 0.0
+    after = [board[:i] + ("X" if x_to_move else "O") + board[i + 1:] for i, cell in enumerate(board) if cell == "."]
+    if x_to_move:
+        return max(win_chance(b, False) for b in after)
+    return sum(win_chance(b, True) for b in after) / len(after)
 
 
 def best_move(board: list[str]) -> int:
-    """The cell (0-8, row by row) minimax picks for X; the first such cell on a tie.
+    """The cell (0-8, row by row) with the best chance of a win against a random O (``PREFERENCE`` on a tie).
 
     Raises:
         ValueError: the game is over (a line is complete, or no cell is empty).
@@ -57,12 +59,12 @@ def best_move(board: list[str]) -> int:
     text = "".join(board)
     if winner(board) is not None or "." not in text:
         raise ValueError(f"the game on {text!r} is over: there is no move to make")
-    empty = [i for i, cell in enumerate(text) if cell == "."]
-    return max(empty, key=lambda i: (_value(text[:i] + "X" + text[i + 1:], "O"), -i))
+    empty = [i for i in PREFERENCE if text[i] == "."]
+    return max(empty, key=lambda i: (win_chance(text[:i] + "X" + text[i + 1:], False), -PREFERENCE.index(i)))
 
 
-def minimax_policy(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> ToolCall:
-    """``make_move`` on minimax's cell for the board of the last user message.
+def expert_policy(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> ToolCall:
+    """``make_move`` on the expert's cell for the board of the last user message.
 
     Raises:
         ValueError: no user message draws a board, or the game on it is over.
@@ -71,9 +73,9 @@ def minimax_policy(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) 
     if not asked:
         raise ValueError("the conversation has no user message")
     cell = best_move(parse_board(message_text(asked[-1])))
-    return ToolCall("make_move", {"row": cell // 3 + 1, "col": cell % 3 + 1})
+    return ToolCall("make_move", {"cell": cell + 1})
 
 
-def minimax_expert() -> ScriptedExpert:
-    """The expert, to serve with ``async with minimax_expert() as expert:``."""
-    return ScriptedExpert(minimax_policy, name=EXPERT_NAME)
+def tic_tac_toe_expert() -> ScriptedExpert:
+    """The expert, to serve with ``async with tic_tac_toe_expert() as expert:``."""
+    return ScriptedExpert(expert_policy, name=EXPERT_NAME)

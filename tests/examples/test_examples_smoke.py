@@ -164,8 +164,8 @@ async def test_tic_tac_toe(tiny_model_dir, tmp_path):
     check_run(result)
 
 
-async def test_tic_tac_toe_warm_starts_with_sft_on_minimax_games(tiny_model_dir, tmp_path):
-    """``--demos 2``: two games of the unchanged graph with the minimax expert's moves, the won ones trained on."""
+async def test_tic_tac_toe_warm_starts_with_sft_on_the_experts_games(tiny_model_dir, tmp_path):
+    """``--demos 2``: two games of the unchanged graph with the scripted expert's moves, the won ones trained on."""
     from examples import tic_tac_toe
     from examples._common import parse_settings
     from examples.tic_tac_toe.expert import best_move, parse_board
@@ -182,7 +182,7 @@ async def test_tic_tac_toe_warm_starts_with_sft_on_minimax_games(tiny_model_dir,
         for turn in game.histories():  # one per move: the board it saw, the expert's move on it
             board = parse_board(next(m for m in turn.messages if m.role == "user").text())
             args = json.loads(turn.messages[-1].tool_calls[0].function.arguments)
-            assert (args["row"] - 1) * 3 + args["col"] - 1 == best_move(board)
+            assert args["cell"] - 1 == best_move(board)
 
 
 async def test_game_2048(tiny_model_dir, tmp_path):
@@ -234,7 +234,21 @@ def test_tic_tac_toe_rewards_follow_the_outcome():
     assert winner(list("XXX.O.O..")) == "X" and winner(list("XO.OX...X")) == "X" and winner(list(".........")) is None
     scores = {outcome: reward(Trajectory(messages=[{"role": "user", "content": "?"}]), {"outcome": outcome, "turn": 2})
               for outcome in ("win", "draw", "loss", "invalid")}
-    assert scores == {"win": 1.0, "draw": 0.5, "loss": 0.0, "invalid": -1.0}
+    assert scores == {"win": 1.0, "draw": 0.5, "loss": 0.0, "invalid": pytest.approx(-0.6)}  # 2 valid moves first
+    invalid = [reward(Trajectory(messages=[{"role": "user", "content": "?"}]), {"outcome": "invalid", "turn": turn})
+               for turn in range(5)]
+    assert invalid[0] == -1.0 and invalid == sorted(invalid) and invalid[-1] < scores["loss"]
+
+
+def test_tic_tac_toe_shows_empty_cells_by_number_and_the_expert_reads_them_back():
+    from examples.tic_tac_toe.agent import _cell, render
+    from examples.tic_tac_toe.expert import parse_board
+
+    board = list("X...O...X")
+    assert render(board) == "X 2 3\n4 O 6\n7 8 X"
+    assert parse_board(f"Board:\n{render(board)}\nYour move?") == board
+    assert [_cell({"cell": 3}), _cell({"cell": 0}), _cell({"cell": 10}), _cell({"cell": True}), _cell({})] == \
+        [2, None, None, None, None]
 
 
 async def test_agents_sdk_support(tiny_model_dir, tmp_path):

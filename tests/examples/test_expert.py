@@ -85,35 +85,35 @@ def test_parse_question_reads_the_calculator_question():
         parse_question("What is 47 minus 86?")
 
 
-async def test_the_minimax_expert_wins_when_it_can_and_blocks_otherwise():
+async def test_the_tic_tac_toe_expert_wins_when_it_can_and_blocks_otherwise():
     from examples.tic_tac_toe.agent import SYSTEM as RULES
     from examples.tic_tac_toe.agent import make_move, render
-    from examples.tic_tac_toe.expert import best_move, minimax_expert
+    from examples.tic_tac_toe.expert import EXPERT_NAME, best_move, tic_tac_toe_expert
 
     schema = [{"type": "function", "function": {"name": "make_move", "description": make_move.description,
                                                 "parameters": make_move.args_schema.model_json_schema()}}]
 
     def position(cells: str) -> list[dict[str, str]]:  # the player node's prompt
         return [{"role": "system", "content": RULES},
-                {"role": "user", "content": f"Board (row 1 at the top):\n{render(list(cells))}\nYour move?"}]
+                {"role": "user", "content": f"Board:\n{render(list(cells))}\nYour move?"}]
 
-    async with minimax_expert() as expert:
+    async with tic_tac_toe_expert() as expert:
         async with openai.AsyncOpenAI(base_url=expert.base_url, api_key="unused", max_retries=0) as client:
             moves = []
-            for cells in ("XX.OO....",   # X completes the top row: (1, 3)
-                          "X..OO....",   # O threatens the middle row: block at (2, 3)
-                          "O...X...."):  # nothing urgent: any cell minimax rates best
-                reply = await client.chat.completions.create(model="minimax-expert", messages=position(cells),
+            for cells in ("XX.OO....",   # X completes the top row: cell 3
+                          "X..OO..X.",   # O threatens the middle row: block at cell 6
+                          "O...X...."):  # nothing urgent: the cell the expert rates best
+                reply = await client.chat.completions.create(model=EXPERT_NAME, messages=position(cells),
                                                              tools=schema, tool_choice="required", max_tokens=48)
                 (call,) = reply.choices[0].message.tool_calls
                 assert call.function.name == "make_move"
                 moves.append(json.loads(call.function.arguments))
             with pytest.raises(openai.BadRequestError, match="is over: there is no move"):
-                await client.chat.completions.create(model="minimax-expert", messages=position("XXXOO...."),
+                await client.chat.completions.create(model=EXPERT_NAME, messages=position("XXXOO...."),
                                                      tools=schema, max_tokens=48)
-    assert moves[:2] == [{"row": 1, "col": 3}, {"row": 2, "col": 3}]
+    assert moves[:2] == [{"cell": 3}, {"cell": 6}]
     third = best_move(list("O...X...."))
-    assert moves[2] == {"row": third // 3 + 1, "col": third % 3 + 1} and "O...X...."[third] == "."
+    assert moves[2] == {"cell": third + 1} and "O...X...."[third] == "."
 
 
 # --- game_2048: the expectimax player ---
