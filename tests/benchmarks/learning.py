@@ -30,6 +30,7 @@ import asyncio
 import dataclasses
 import importlib
 import json
+import multiprocessing
 import re
 import statistics
 import sys
@@ -85,6 +86,23 @@ def example_defaults(name: str) -> ExampleSettings | None:
 # -- running -------------------------------------------------------------------------------------------
 
 def run_one(name: str, seed: int, out: Path, overrides: dict[str, object]) -> Row:
+    """One run, in a process of its own, stored in ``out``; its row.
+
+    A fresh interpreter per run: langchain-openai caches one async HTTP client per process, bound to the event
+    loop of the run that made it, so a second run's ``asyncio.run`` in the same process failed its model calls
+    with "Event loop is closed" (counted as lost games).
+    """
+    child = multiprocessing.get_context("spawn").Process(target=_run_here, args=(name, seed, out, overrides))
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        raise SystemExit(f"{name} seed {seed}: the run's process exited with code {child.exitcode}")
+    module = importlib.import_module(f"examples.{name}")
+    demos = int(overrides.get("demos", module.DEFAULTS.demos))  # type: ignore[call-overload]
+    return json.loads(row_path(out, name, demos, seed).read_text())
+
+
+def _run_here(name: str, seed: int, out: Path, overrides: dict[str, object]) -> None:
     from rich.console import Console
 
     module = importlib.import_module(f"examples.{name}")
@@ -95,7 +113,6 @@ def run_one(name: str, seed: int, out: Path, overrides: dict[str, object]) -> Ro
     row = {"example": name, "seed": seed, "recipe": recipe_label(settings.demos), **result.to_json(),
            "settings": {k: str(v) for k, v in dataclasses.asdict(settings).items()}}
     row_path(out, name, settings.demos, seed).write_text(json.dumps(row, indent=1))
-    return row
 
 
 def settings_drift(stored: Row, wanted: ExampleSettings) -> str:
