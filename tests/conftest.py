@@ -18,7 +18,11 @@ from pathlib import Path
 import pytest
 
 # litellm (the RULER judge client) fetches its price list from the internet on import unless told not to.
-_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+# MLflow starts a telemetry thread on import; offline, its fetch fails and it pops an environment variable while
+# our tracker's thread may be iterating os.environ (requests reads the proxies from it): the tracker call fails
+# with KeyError('_MLFLOW_TELEMETRY_SESSION_ID') and that step's report is lost (seen once in a loaded CI run).
+_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+                "MLFLOW_DISABLE_TELEMETRY": "true"}
 _env_before_session: dict[str, str | None] = {}
 # One torch thread per test process. Measured here (2 cores, a decode-sized matmul loop): 2 threads ran 1.6x
 # faster than 1 on a quiet machine but 2.5x slower than 1 beside one busy process (OpenMP's threads wait
