@@ -24,9 +24,9 @@ __all__ = ["DEFAULTS", "EVAL_TEMPERATURE", "main", "run"]
 
 DEFAULTS = ExampleSettings(steps=6, groups=3, rollouts=8, held_out=32, eval_rollouts=1, learning_rate=1e-4,
                            demos=128)
-"""For 2 CPU cores, about 15 minutes: SFT on 128 of the expert's games (a game is up to 5 model calls), then 6 GRPO steps
-of 24 games at a rate ten times below the other examples' (a higher one undid the warm start: 26 of 32 held-out
-wins after SFT, 20 after 6 steps at 1e-3). ``--demos 0 --learning-rate 1e-3``: RL alone."""
+"""For 2 CPU cores, about 16 minutes: SFT on 128 of the expert's games (a game is up to 5 model calls), then 6
+GRPO steps of 24 games at a rate ten times below the other examples' (a higher one undid the warm start: 26 of 32
+held-out wins after SFT, 20 after 6 steps at 1e-3). ``--demos 0 --learning-rate 1e-3``: RL alone."""
 
 EVAL_TEMPERATURE = 0.3
 """The held-out games are played at this temperature, the training games at 1.0 (GRPO needs varied games to
@@ -41,15 +41,18 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
                            base_model=settings.base_model, report_to=list(settings.report_to))
     async with open_backend(settings) as backend:
         await model.register(backend)
-        agent = trainable(build_graph(), model, model_names=[MODEL_NAME], recursion_limit=12, timeout=600)
-        judged = trainable(build_graph(temperature=EVAL_TEMPERATURE), model, model_names=[MODEL_NAME],
-                           recursion_limit=12, timeout=600)
+        def games_at(temperature: float) -> tuple[Any, Any]:
+            """The trainable graph sampling at ``temperature``, and its ``play(game, n, seed)``."""
+            graph = trainable(build_graph(temperature=temperature), model, model_names=[MODEL_NAME],
+                              recursion_limit=12, timeout=600)
 
-        async def play(game: dict[str, Any], n: int, seed: int) -> TrajectoryGroup:
-            return await agent.group(dict(game), n=n, reward=reward, seed=seed)
+            async def play(game: dict[str, Any], n: int, seed: int) -> TrajectoryGroup:
+                return await graph.group(dict(game), n=n, reward=reward, seed=seed)
 
-        async def measure(game: dict[str, Any], n: int, seed: int) -> TrajectoryGroup:
-            return await judged.group(dict(game), n=n, reward=reward, seed=seed)
+            return graph, play
+
+        agent, play = games_at(1.0)
+        _, measure = games_at(EVAL_TEMPERATURE)
 
         # The same graph; its moves are the expert's instead of the trainable model's, each recorded.
         demonstrate = graph_demonstrations(agent, tic_tac_toe_expert, dict, lambda game: reward)

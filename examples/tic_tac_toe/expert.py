@@ -59,8 +59,8 @@ def best_move(board: list[str]) -> int:
     text = "".join(board)
     if winner(board) is not None or "." not in text:
         raise ValueError(f"the game on {text!r} is over: there is no move to make")
-    empty = [i for i in PREFERENCE if text[i] == "."]
-    return max(empty, key=lambda i: (win_chance(text[:i] + "X" + text[i + 1:], False), -PREFERENCE.index(i)))
+    empty = [i for i in PREFERENCE if text[i] == "."]  # max() keeps the first of equals: PREFERENCE breaks ties
+    return max(empty, key=lambda i: win_chance(text[:i] + "X" + text[i + 1:], False))
 
 
 def expert_policy(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> ToolCall:

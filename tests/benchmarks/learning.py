@@ -85,8 +85,8 @@ def example_defaults(name: str) -> ExampleSettings | None:
 
 # -- running -------------------------------------------------------------------------------------------
 
-def run_one(name: str, seed: int, out: Path, overrides: dict[str, object]) -> Row:
-    """One run, in a process of its own, stored in ``out``; its row.
+def run_one(name: str, seed: int, out: Path, overrides: dict[str, object], demos: int) -> Row:
+    """One run (its recipe's ``demos``), in a process of its own, stored in ``out``; its row.
 
     A fresh interpreter per run: langchain-openai caches one async HTTP client per process, bound to the event
     loop of the run that made it, so a second run's ``asyncio.run`` in the same process failed its model calls
@@ -97,8 +97,6 @@ def run_one(name: str, seed: int, out: Path, overrides: dict[str, object]) -> Ro
     child.join()
     if child.exitcode != 0:
         raise SystemExit(f"{name} seed {seed}: the run's process exited with code {child.exitcode}")
-    module = importlib.import_module(f"examples.{name}")
-    demos = int(overrides.get("demos", module.DEFAULTS.demos))  # type: ignore[call-overload]
     return json.loads(row_path(out, name, demos, seed).read_text())
 
 
@@ -135,7 +133,7 @@ def run_all(names: list[str], seeds: list[int], out: Path, overrides: dict[str, 
                 print(f"{label}: skipped, stored in {path.name} (--rerun to run it again)"
                       + (f"; note: {drift}" if drift else ""), flush=True)
                 continue
-            row = run_one(name, seed, out, overrides)
+            row = run_one(name, seed, out, overrides, demos)
             after_sft = f" -> {row['success_after_sft']:.1%} (SFT)" if row.get("success_after_sft") is not None else ""
             print(f"{label}: {row['success_before']:.1%}{after_sft} -> {row['success_after']:.1%}", flush=True)
 
