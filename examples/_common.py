@@ -16,6 +16,11 @@ An example supplies three things and calls ``learn``:
 on those that succeeded (``model.train_sft``) and measures again; then it trains ``steps`` GRPO steps on the same
 adapter, printing one line per step (reward mean and spread, success, tool-call validity, seconds per phase),
 measures again, and writes the learning curve next to the checkpoints.
+
+The GRPO steps run in the synchronous loop (roll out a step's groups, train, repeat), or with
+``--max-off-policy N`` (N > 0) through ``art_core.pipeline``: rollouts keep running while a step trains, each
+group trained at most N steps after the checkpoint that sampled it, on a backend that keeps serving during steps
+(``open_backend``). Same tasks, seeds, steps, groups, rollouts and ``TrainConfig`` either way.
 """
 
 from __future__ import annotations
@@ -26,14 +31,15 @@ import inspect
 import json
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from rich.console import Console
 
-from art_core import LocalBackend, SFTConfig, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
+from art_core import (LocalBackend, SFTConfig, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup,
+                      TransformersOptions, pipeline)
 from art_core.errors import ConfigError
 from art_core.models import EMBEDDED_MODEL
 from art_core.tracking import TRACKER_NAMES
@@ -94,6 +100,9 @@ class ExampleSettings:
     """Passes over the demonstrations in the SFT step: a handful of demonstrations need more than one."""
     sft_learning_rate: float = 1e-3
     """Peak rate of the SFT step (linear decay): high for LoRA, as the GRPO rate is, so a few demonstrations tell."""
+    max_off_policy: int = 0
+    """0: the synchronous GRPO loop. N > 0: the GRPO steps run through ``art_core.pipeline(max_off_policy=N)``,
+    rollouts overlapping steps, on a backend that serves during steps (``open_backend``)."""
 
 
 def parse_settings(description: str, defaults: ExampleSettings, argv: Sequence[str] | None = None) -> ExampleSettings:
@@ -137,6 +146,11 @@ def parse_settings(description: str, defaults: ExampleSettings, argv: Sequence[s
                         help="passes over the demonstrations in the SFT step (default: %(default)s)")
     parser.add_argument("--sft-learning-rate", type=float, default=defaults.sft_learning_rate,
                         help="peak learning rate of the SFT step (default: %(default)s)")
+    parser.add_argument("--max-off-policy", type=int, default=defaults.max_off_policy, metavar="N",
+                        help="asynchronous GRPO: rollouts keep running while a step trains (art_core.pipeline), each "
+                        "group trained at most N steps after the checkpoint that sampled it; the backend serves "
+                        "during steps (the transformers engine with a second copy of the base in memory). "
+                        "0: the synchronous loop (default: %(default)s)")
     args = parser.parse_args(argv)
     args.report_to = tuple(args.report_to)
     least = {"steps": 0, "demos": 0, "groups": 1, "rollouts": 1, "held_out": 1, "eval_rollouts": 1, "sft_epochs": 1}
@@ -145,22 +159,35 @@ def parse_settings(description: str, defaults: ExampleSettings, argv: Sequence[s
             parser.error(f"--{flag.replace('_', '-')} must be at least {low}, got {getattr(args, flag)}")
     if not args.sft_learning_rate > 0:
         parser.error(f"--sft-learning-rate must be positive, got {args.sft_learning_rate}")
+    if args.max_off_policy < 0:
+        parser.error(f"--max-off-policy must be at least 0 (0: the synchronous loop; N > 0: rollouts at most N steps "
+                     f"off-policy), got {args.max_off_policy}")
     return ExampleSettings(**vars(args))
 
 
 def open_backend(settings: ExampleSettings) -> LocalBackend:
     """A ``LocalBackend`` at ``settings.path`` with the engine ``settings.inference``.
 
+    With ``settings.max_off_policy`` > 0 it keeps serving while a step trains (``pause_during_step=False``), so
+    that the pipeline's rollouts overlap the steps; the transformers engine then decodes a copy of the model of
+    its own (``TransformersOptions(separate_module=True)``: a second copy of the base in memory).
+
     Raises:
         ConfigError: an engine other than ``transformers`` was asked for and this ``LocalBackend`` cannot
             choose its engine.
     """
+    overlap: dict[str, Any] = {}
+    if settings.max_off_policy > 0:
+        overlap["pause_during_step"] = False
+        if settings.inference == "transformers":
+            overlap["transformers"] = TransformersOptions(separate_module=True)
     if "inference" in inspect.signature(LocalBackend).parameters:
-        return LocalBackend(path=settings.path, show_progress=False, inference=settings.inference)  # type: ignore[call-arg]
+        return LocalBackend(path=settings.path, show_progress=False, inference=settings.inference,  # type: ignore[call-arg]
+                            **overlap)
     if settings.inference != "transformers":
         raise ConfigError(f"--inference {settings.inference!r} is not available: this art-core's LocalBackend "
                           "serves through the transformers engine only; use --inference transformers")
-    return LocalBackend(path=settings.path, show_progress=False)
+    return LocalBackend(path=settings.path, show_progress=False, **overlap)
 
 
 # -- the loop ------------------------------------------------------------------------------------------
@@ -179,7 +206,13 @@ class StepStats:
     groups_used: int
     groups: int
     rollout_seconds: float
+    """Seconds the step waited for its groups: rolling them out (synchronous loop), or, pipelined, since the
+    previous step ended (the rollouts not hidden behind it)."""
     train_seconds: float
+    staleness_max: float = 0.0
+    """Most steps the adapter had moved since one of the step's groups was sampled (0 in the synchronous loop)."""
+    groups_stale: int = 0
+    """Groups dropped as staler than ``--max-off-policy`` (pipelined only)."""
 
 
 @dataclass
@@ -205,6 +238,10 @@ class LearningResult:
     """Held-out success rate after the SFT step, before any GRPO step (None: no SFT step)."""
     sft_seconds: float = 0.0
     """Collecting the demonstrations and the SFT step (not the evaluation after it)."""
+    max_off_policy: int = 0
+    """The GRPO steps' bound: 0, the synchronous loop; N > 0, pipelined (``art_core.pipeline``)."""
+    rollouts_failed: int = 0
+    """Pipelined: rollouts (whole groups) that raised or came back empty, each replaced while steps were left."""
 
     @property
     def rewards(self) -> list[float]:
@@ -216,7 +253,8 @@ class LearningResult:
                 "seconds": round(self.seconds, 1), "steps": [asdict(s) for s in self.steps],
                 "model_dir": str(self.model_dir), "curve_png": str(self.curve_png), "demos": self.demos,
                 "demos_trained": self.demos_trained, "sft_loss": self.sft_loss,
-                "success_after_sft": self.success_after_sft, "sft_seconds": round(self.sft_seconds, 1)}
+                "success_after_sft": self.success_after_sft, "sft_seconds": round(self.sft_seconds, 1),
+                "max_off_policy": self.max_off_policy, "rollouts_failed": self.rollouts_failed}
 
 
 MAX_CONCURRENT_ROLLOUTS = 16
@@ -306,31 +344,11 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
                                                           seed=settings.seed)
             console.print(f"held-out success after SFT: [bold]{result.success_after_sft:.1%}[/] "
                           f"({time.perf_counter() - t0:.0f}s)")
-    for step in range(settings.steps):
-        batch = train_tasks[step * settings.groups:(step + 1) * settings.groups]
-        t0 = time.perf_counter()
-        with console.status(f"step {step + 1}/{settings.steps}: {len(batch)} x {settings.rollouts} rollouts..."):
-            groups = await asyncio.gather(*(
-                play(task, settings.rollouts, settings.seed * 1_000_003 + step * 101 + k)
-                for k, task in enumerate(batch)))
-        t1 = time.perf_counter()
-        groups = [g for g in groups if g.trajectories]
-        trajectories = [t for g in groups for t in g.trajectories]
-        rewards = [t.reward for t in trajectories]
-        valid = [t.metrics["valid_tool_calls"] for t in trajectories if "valid_tool_calls" in t.metrics]
-        with console.status(f"step {step + 1}/{settings.steps}: GRPO step on {len(trajectories)} trajectories..."):
-            metrics = await model.train(groups, config=config) if groups else {"groups_used": 0}
-        stats = StepStats(step=step + 1, reward_mean=_mean(rewards),
-                          reward_std=statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
-                          success=_mean([t.metrics.get("success", 0.0) for t in trajectories]),
-                          valid_tool_calls=_mean(valid) if valid else None,
-                          groups_used=int(metrics.get("groups_used", 0)), groups=len(batch),
-                          rollout_seconds=t1 - t0, train_seconds=time.perf_counter() - t1)
-        result.steps.append(stats)
-        valid_text = f"{stats.valid_tool_calls:4.0%}" if stats.valid_tool_calls is not None else "   -"
-        console.print(f"step {stats.step:>2}/{settings.steps}  reward {stats.reward_mean:+.2f} ± {stats.reward_std:.2f}  "
-                      f"success {stats.success:4.0%}  valid calls {valid_text}  groups {stats.groups_used}/{stats.groups}"
-                      f"  rollouts {stats.rollout_seconds:3.0f}s  train {stats.train_seconds:3.0f}s", soft_wrap=True)
+    result.max_off_policy = settings.max_off_policy
+    if settings.max_off_policy > 0 and settings.steps:
+        await _train_pipelined(model, play, train_tasks[:needed], settings, config, result, console)
+    else:
+        await _train_synchronously(model, play, train_tasks, settings, config, result, console)
     with console.status(f"held-out evaluation after {settings.steps} steps ({runs} runs)..."):
         t0 = time.perf_counter()
         result.success_after = await evaluate(measure, eval_tasks, rollouts=settings.eval_rollouts, seed=settings.seed)
@@ -344,6 +362,158 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
     (model.model_dir / "learning_result.json").write_text(json.dumps(result.to_json(), indent=1))
     _summary(result, console)
     return result
+
+
+async def _train_synchronously(model: TrainableModel, play: Play[T], train_tasks: Sequence[T],
+                               settings: ExampleSettings, config: TrainConfig, result: LearningResult,
+                               console: Console) -> None:
+    """``settings.steps`` GRPO steps, each rolling out its ``settings.groups`` tasks, then training on them."""
+    for step in range(settings.steps):
+        batch = train_tasks[step * settings.groups:(step + 1) * settings.groups]
+        t0 = time.perf_counter()
+        with console.status(f"step {step + 1}/{settings.steps}: {len(batch)} x {settings.rollouts} rollouts..."):
+            groups = await asyncio.gather(*(
+                play(task, settings.rollouts, _training_seed(settings, step * settings.groups + k))
+                for k, task in enumerate(batch)))
+        t1 = time.perf_counter()
+        groups = [g for g in groups if g.trajectories]
+        with console.status(f"step {step + 1}/{settings.steps}: GRPO step on "
+                            f"{sum(len(g.trajectories) for g in groups)} trajectories..."):
+            metrics = await model.train(groups, config=config) if groups else {"groups_used": 0}
+        stats = _step_stats(step + 1, groups, metrics, planned=len(batch), rollout_seconds=t1 - t0,
+                            train_seconds=time.perf_counter() - t1)
+        result.steps.append(stats)
+        _print_step(console, stats, settings.steps)
+
+
+def _training_seed(settings: ExampleSettings, index: int) -> int:
+    """The sampling seed of the ``index``-th training group (step ``index // groups``, its ``index % groups``-th)."""
+    return settings.seed * 1_000_003 + (index // settings.groups) * 101 + index % settings.groups
+
+
+def _step_stats(step: int, groups: Sequence[TrajectoryGroup], metrics: dict[str, Any], *, planned: int,
+                rollout_seconds: float, train_seconds: float) -> StepStats:
+    """A step's figures: from the groups it trained on and the metrics ``model.train`` returned."""
+    trajectories = [t for g in groups for t in g.trajectories]
+    rewards = [t.reward for t in trajectories]
+    valid = [t.metrics["valid_tool_calls"] for t in trajectories if "valid_tool_calls" in t.metrics]
+    return StepStats(step=step, reward_mean=_mean(rewards),
+                     reward_std=statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+                     success=_mean([t.metrics.get("success", 0.0) for t in trajectories]),
+                     valid_tool_calls=_mean(valid) if valid else None,
+                     groups_used=int(metrics.get("groups_used", 0)), groups=planned,
+                     rollout_seconds=rollout_seconds, train_seconds=train_seconds,
+                     staleness_max=float(metrics.get("staleness_max", 0.0)),
+                     groups_stale=int(metrics.get("groups_stale", 0)))
+
+
+def _print_step(console: Console, stats: StepStats, steps: int) -> None:
+    valid_text = f"{stats.valid_tool_calls:4.0%}" if stats.valid_tool_calls is not None else "   -"
+    console.print(f"step {stats.step:>2}/{steps}  reward {stats.reward_mean:+.2f} ± {stats.reward_std:.2f}  "
+                  f"success {stats.success:4.0%}  valid calls {valid_text}  groups {stats.groups_used}/{stats.groups}"
+                  f"  rollouts {stats.rollout_seconds:3.0f}s  train {stats.train_seconds:3.0f}s", soft_wrap=True)
+
+
+@dataclass
+class _Replacements:
+    """Pipelined: rollouts lost (failed, or their group dropped as stale) and the replacements handed out."""
+
+    lost: int = 0
+    given: int = 0
+
+
+class _SteppedModel:
+    """The model as ``pipeline`` sees it: each ``train`` call is also recorded, as the synchronous loop records its
+    steps (``on_step(groups, metrics, waited_seconds, train_seconds)``); everything else is the model's."""
+
+    def __init__(self, model: TrainableModel, on_step: Callable[[Sequence[TrajectoryGroup], dict[str, Any], float,
+                                                                  float], None]) -> None:
+        self._model, self._on_step = model, on_step
+        self._last_end = time.perf_counter()
+
+    @property
+    def step(self) -> int:
+        return self._model.step
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    async def train(self, groups: Sequence[TrajectoryGroup], *, config: TrainConfig | None = None,
+                    **kwargs: Any) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        metrics = await self._model.train(groups, config=config, **kwargs)
+        t1 = time.perf_counter()
+        self._on_step(groups, dict(metrics), t0 - self._last_end, t1 - t0)
+        self._last_end = t1
+        return metrics
+
+
+async def _train_pipelined(model: TrainableModel, play: Play[T], tasks: Sequence[T], settings: ExampleSettings,
+                           config: TrainConfig, result: LearningResult, console: Console) -> None:
+    """``settings.steps`` GRPO steps through ``art_core.pipeline(max_off_policy=settings.max_off_policy)``.
+
+    The synchronous loop's tasks in its order, each with its sampling seed; ``settings.groups`` rollouts (groups)
+    in flight at once, as many as one synchronous step runs. A rollout that fails, or a group dropped as stale,
+    is replaced by a rollout of a training task from the start of the list (a seed of its own), at most
+    ``len(tasks)`` times, and only while steps are left to fill: one lost near the end can leave the run a step
+    short, which its output says. One progress line per step, as the synchronous loop prints, then the
+    pipeline's own (staleness, groups dropped, seconds rolling out and training, overlap).
+    """
+    m, steps = settings.max_off_policy, settings.steps
+    lost = _Replacements()
+
+    def numbered() -> Iterator[tuple[int, T]]:
+        yield from enumerate(tasks)
+        index = len(tasks)
+        while lost.given < min(lost.lost, len(tasks)):  # checked at each pull: only what was lost so far
+            lost.given += 1
+            yield index, tasks[(index - len(tasks)) % len(tasks)]
+            index += 1
+
+    async def play_one(item: tuple[int, T]) -> TrajectoryGroup:
+        index, task = item
+        try:
+            group = await play(task, settings.rollouts, _training_seed(settings, index))
+        except Exception:
+            lost.lost += 1
+            raise  # the pipeline counts it and goes on
+        if not group.trajectories:
+            lost.lost += 1  # the pipeline refuses an empty group as failed
+        return group
+
+    console.print(f"GRPO through the asynchronous pipeline (--max-off-policy {m}): rollouts go on while a step "
+                  f"trains; each group trained at most {m} step(s) after the checkpoint that sampled it")
+    with console.status(f"pipelined GRPO: step 1/{steps}, {settings.groups} x {settings.rollouts} rollouts "
+                        "in flight...") as status:
+        def on_step(groups: Sequence[TrajectoryGroup], metrics: dict[str, Any], waited: float, trained: float) -> None:
+            stats = _step_stats(len(result.steps) + 1, groups, metrics, planned=len(groups),
+                                rollout_seconds=waited, train_seconds=trained)
+            lost.lost += stats.groups_stale
+            result.steps.append(stats)
+            _print_step(console, stats, steps)
+            status.update(f"pipelined GRPO: step {min(stats.step + 1, steps)}/{steps}...")
+
+        report = await pipeline(_SteppedModel(model, on_step), numbered(), play_one,  # type: ignore[arg-type]
+                                steps=steps, groups_per_step=settings.groups, max_off_policy=m,
+                                concurrency=settings.groups, config=config,
+                                log=lambda line: console.print(_pipeline_line(line), markup=False,
+                                                               highlight=False, soft_wrap=True))
+    result.rollouts_failed = report.rollouts_failed
+    if report.rollouts_failed:
+        console.print(f"pipeline: {report.rollouts_failed} rollout(s) failed (first: {report.failures[0]!r})",
+                      markup=False, highlight=False, soft_wrap=True)
+    if len(report.steps) < steps:
+        console.print(f"pipeline: ran {len(report.steps)} of {steps} steps: too few groups left after failed "
+                      "rollouts and stale groups", soft_wrap=True)
+
+
+def _pipeline_line(line: str) -> str:
+    """The pipeline's progress line under the example's: ``step N: ...`` names the checkpoint served after the step
+    (the model's step counter, the warm start's SFT step included), so it says so."""
+    head, sep, rest = line.partition(": ")
+    if sep and head.startswith("step "):
+        return f"        pipeline, checkpoint {head.removeprefix('step ')}: {rest}"
+    return f"        pipeline: {line}"
 
 
 def demonstration_tasks(make_tasks: Callable[..., Sequence[T]], n: int, *, seed: int,

@@ -140,6 +140,115 @@ async def test_an_example_reports_to_the_trackers_report_to_names(tiny_model_dir
     assert len(accumulator.Tensors("rollout/success_mean")) == 1
 
 
+async def test_langgraph_tools_pipelined_with_max_off_policy_1(tiny_model_dir, tmp_path, capsys):
+    """``--max-off-policy 1 --steps 2``: the GRPO steps through ``art_core.pipeline`` on a backend that serves during
+    steps (separate-module layout); the same per-step lines, ``learning_result.json`` rows and ``history.jsonl``."""
+    from examples import langgraph_tools
+    from examples._common import open_backend, parse_settings
+
+    settings = parse_settings("calculator", tiny(tiny_model_dir, tmp_path), ["--max-off-policy", "1", "--steps", "2"])
+    assert (settings.max_off_policy, settings.steps) == (1, 2)
+    backend = open_backend(settings)  # what run() opens: nothing is loaded before register()
+    assert backend.pause_during_step is False and backend.transformers.separate_module is True
+    result = await langgraph_tools.run(settings)
+    check_run(result, steps=2)
+    assert [s.step for s in result.steps] == [1, 2] and result.max_off_policy == 1
+    assert all(s.groups == 1 and s.staleness_max <= 1 and s.groups_stale == 0 for s in result.steps)
+    saved = json.loads((result.model_dir / "learning_result.json").read_text())
+    assert saved["max_off_policy"] == 1
+    assert [(row["step"], row["reward_mean"]) for row in saved["steps"]] == [(s.step, s.reward_mean)
+                                                                          for s in result.steps]
+    history = _history(result)
+    assert len(history) == 2 and {row["kind"] for row in history} == {"grpo"}
+    out = capsys.readouterr().out
+    assert "asynchronous pipeline (--max-off-policy 1)" in out
+    assert "step  1/2  reward" in out and "step  2/2  reward" in out  # the synchronous loop's lines
+    assert out.count("pipeline, checkpoint ") == 2 and "staleness mean" in out  # and the pipeline's, one per step
+    # The default stays the synchronous loop, on the default backend.
+    default = open_backend(tiny(tiny_model_dir, tmp_path))
+    assert default.pause_during_step is True and default.transformers.separate_module is False
+
+
+class _FakeModel:
+    """Just what ``learn`` and ``pipeline`` use of a model: ``train`` records the groups of each step."""
+
+    name = "fake"
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir, self.step, self.trained = model_dir, 0, []
+
+    async def train(self, groups, *, config=None):
+        self.trained.append((config.max_off_policy, [(g.trajectories[0].metadata["task"],
+                                                       g.trajectories[0].metadata["seed"]) for g in groups]))
+        self.step += 1
+        return {"groups_used": len(groups), "staleness_max": 0.0, "groups_stale": 0.0}
+
+    async def finish_tracking(self) -> None:
+        pass
+
+
+async def _learn_with_a_fake_model(tmp_path: Path, max_off_policy: int, fail_first: bool = False):
+    """``learn`` on tasks "t0".."t5" (3 steps x 2 groups), no backend: which (task, seed) each step trained on."""
+    from art_core import Trajectory, TrajectoryGroup
+    from examples._common import learn
+
+    played: list[tuple[str, int]] = []
+
+    async def play(task, n, seed):
+        if fail_first and not played:
+            played.append((task, seed))
+            raise RuntimeError("the first rollout fails")
+        played.append((task, seed))
+        return TrajectoryGroup([Trajectory(messages=[{"role": "user", "content": task}], reward=float(k),
+                                           metrics={"success": 1.0}, metadata={"task": task, "seed": seed})
+                                for k in range(n)])
+
+    async def measure(task, n, seed):
+        return TrajectoryGroup([Trajectory(messages=[{"role": "user", "content": task}], reward=0.0)
+                                for _ in range(n)])
+
+    model = _FakeModel(tmp_path / f"fake-{max_off_policy}")
+    settings = ExampleSettings(path=tmp_path, steps=3, groups=2, rollouts=2, held_out=1, eval_rollouts=1,
+                               max_off_policy=max_off_policy)
+    result = await learn(model, play, measure=measure, train_tasks=[f"t{i}" for i in range(6)], eval_tasks=["e"],
+                         settings=settings)
+    return model, result
+
+
+async def test_pipelined_steps_train_the_synchronous_loops_tasks_and_seeds_and_replace_a_failed_rollout(tmp_path):
+    """``--max-off-policy 1``: the same 3 steps of 2 groups, tasks and sampling seeds as the synchronous loop (each
+    step's groups in the order they finished); a rollout that raises is replaced, so no step is lost."""
+    sync_model, sync = await _learn_with_a_fake_model(tmp_path, 0)
+    assert [bound for bound, _ in sync_model.trained] == [None, None, None]  # the TrainConfig as given
+    pipe_model, piped = await _learn_with_a_fake_model(tmp_path, 1)
+    assert [bound for bound, _ in pipe_model.trained] == [1, 1, 1]
+    assert [sorted(step) for _, step in pipe_model.trained] == [sorted(step) for _, step in sync_model.trained]
+    assert [s.step for s in piped.steps] == [1, 2, 3] and piped.rewards == sync.rewards
+    assert (piped.max_off_policy, piped.rollouts_failed, sync.max_off_policy) == (1, 0, 0)
+
+    failing_model, failing = await _learn_with_a_fake_model(tmp_path, 1, fail_first=True)
+    assert len(failing.steps) == 3 and failing.rollouts_failed == 1
+    tasks = [task for _, step in failing_model.trained for task, _ in step]
+    assert sorted(tasks) == ["t0", "t1", "t2", "t3", "t4", "t5"]  # t0's failed rollout replaced by t0 again
+    trained = dict(pair for _, step in failing_model.trained for pair in step)
+    synchronous = dict(pair for _, step in sync_model.trained for pair in step)
+    assert trained["t0"] != synchronous["t0"]  # the replacement samples with a seed of its own
+    assert {task: seed for task, seed in trained.items() if task != "t0"} == {
+        task: seed for task, seed in synchronous.items() if task != "t0"}
+
+
+def test_max_off_policy_flag_refuses_a_negative_bound(tmp_path, capsys):
+    from examples._common import parse_settings
+
+    assert parse_settings("x", ExampleSettings(path=tmp_path), []).max_off_policy == 0
+    with pytest.raises(SystemExit):
+        parse_settings("x", ExampleSettings(path=tmp_path), ["--max-off-policy", "-1"])
+    assert "--max-off-policy must be at least 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_settings("x", ExampleSettings(path=tmp_path), ["--max-off-policy", "one"])
+    assert "invalid int value: 'one'" in capsys.readouterr().err
+
+
 def test_report_to_flag_takes_several_trackers_and_refuses_unknown_ones(tmp_path, capsys):
     from examples._common import parse_settings
 
