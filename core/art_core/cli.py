@@ -63,6 +63,11 @@ def serve(
                                                "[default: a local one]."),
     replicas: int = typer.Option(1, help="With --backend ray: engine replicas behind each gateway."),
     trainer_workers: int = typer.Option(1, help="With --backend ray: ranks of the trainer group."),
+    pause_during_steps: bool = typer.Option(
+        True, "--pause-during-steps/--serve-during-steps",
+        help="Hold gateway requests while a step trains, or keep serving the last checkpoint so clients' "
+             "rollouts overlap steps (art_core.pipeline; a second copy of the base for the local "
+             "transformers engine; Ray replicas switch one at a time)."),
 ) -> None:
     """Serve the training API and every registered model's OpenAI-compatible gateway on one port.
 
@@ -75,7 +80,7 @@ def serve(
         settings = ServerSettings(host=host, port=port, token=token, path=path, inference=inference,
                                   trainer=trainer, max_body_mb=max_body_mb, num_threads=threads or None,
                                   backend=backend, ray_address=ray_address, inference_replicas=replicas,
-                                  trainer_workers=trainer_workers)
+                                  trainer_workers=trainer_workers, pause_during_step=pause_during_steps)
     except ConfigError as exc:
         typer.secho(str(exc), fg="red", err=True)
         raise typer.Exit(2) from exc

@@ -67,15 +67,16 @@ class InProcessServer:
 
 
 @contextmanager
-def server_in_thread(path: Path) -> Iterator[InProcessServer]:
-    """Serve a fresh ``LocalBackend`` under ``path`` on a free loopback port; stop and close it afterwards."""
+def server_in_thread(path: Path, **backend_options: Any) -> Iterator[InProcessServer]:
+    """Serve a fresh ``LocalBackend`` under ``path`` on a free loopback port; stop and close it afterwards.
+    ``backend_options`` go to ``LocalBackend`` (as ``ServerSettings.backend_options`` do in ``art-core serve``)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="test-server-loop", daemon=True)
     thread.start()
     sock = bind("127.0.0.1", 0, fix="test")
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     backend = LocalBackend(path=path, show_progress=False, num_threads=None,
-                           gateway_mount=lambda spec: url + gateway_path(spec.project, spec.name))
+                           gateway_mount=lambda spec: url + gateway_path(spec.project, spec.name), **backend_options)
     app = create_server_app(backend, token=None, max_body_bytes=64 * 1024 * 1024)
     gate = RouteGate(app, "/records")
 

@@ -64,7 +64,7 @@ def gates() -> Iterator[list[Any]]:
     opened: list[Any] = []
     yield opened
     for gate in opened:
-        gate.close() if isinstance(gate, DecodeGate) else gate._released.set()
+        gate.close() if isinstance(gate, (DecodeGate, GatedReplica)) else gate._released.set()
 
 
 @torch.no_grad()
@@ -113,3 +113,164 @@ async def test_requests_are_served_during_a_step_each_on_one_adapter(tiny_model_
     assert call.logprobs == pytest.approx(expected, abs=1e-4)  # every token was sampled by checkpoint 0
     moved = _completion_logprobs(base, after.prompt_token_ids, after.completion_token_ids)
     assert after.logprobs != pytest.approx(moved, abs=1e-4)  # checkpoint 1 is another policy: the check can fail
+
+
+async def test_art_core_serve_during_steps_answers_clients_while_a_step_trains(tiny_model_dir: Path,
+                                                                              tmp_path: Path,
+                                                                              gates: list[Any]) -> None:
+    """``art-core serve --serve-during-steps``: a ``RemoteBackend`` client's request made while the server trains
+    is answered at once by the last checkpoint; the next is answered by the new one."""
+    from inprocess_server import server_in_thread
+
+    from art_core.backends.remote import RemoteBackend
+    from art_core.server.run import ServerSettings
+
+    options = ServerSettings(pause_during_step=False).backend_options  # what the CLI flag gives LocalBackend
+    assert options["pause_during_step"] is False and options["transformers"].separate_module
+    model = TrainableModel(name="remote-async", base_model=tiny_model_dir)
+    with server_in_thread(tmp_path / "server", **options) as server:
+        async with RemoteBackend(server.url, show_progress=False) as backend:
+            await model.register(backend)
+            step_gate = StepGate(server.backend._models.get(model.spec).steps)
+            gates.append(step_gate)
+            training = asyncio.create_task(model.train([_group(0)], config=CONFIG))
+            await step_gate.wait_entered()
+            (during,) = await model.sample(CHAT, max_tokens=4, temperature=0.0)
+            assert during.calls[0].adapter_step == 0 and not training.done()
+            step_gate.open()
+            await training
+            (after,) = await model.sample(CHAT, max_tokens=4, temperature=0.0)
+            assert model.step == 1 and after.calls[0].adapter_step == 1
+
+
+async def _within(condition: Any, what: str, seconds: float = 120.0) -> None:
+    """Wait until ``condition()`` holds, failing with ``what`` after ``seconds`` (a bound against a hang when the
+    behaviour under test is missing, not a timing the test relies on)."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+class _Remote:
+    """``handle.method`` as the router calls it: ``await handle.method.remote(*args)``."""
+
+    def __init__(self, call: Any) -> None:
+        self.remote = call
+
+
+class GatedReplica:
+    """A replica's Ray actor handle that calls through to the real actor, holding at gates the test opens: the
+    answer of the next ``generate`` once ``hold_next_answer()`` was called, and every ``load_adapter`` (thread-safe
+    events: the router may run on any loop). Other methods are the handle's own."""
+
+    loading_now = 0
+    """Replicas inside ``load_adapter`` at this moment (all instances)."""
+    loading_most = 0
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.answers: list[int] = []  # adapter step of each answer given
+        self.loads: list[int] = []  # steps asked to load
+        self.load_entered, self.load_released = threading.Event(), threading.Event()
+        self.answer_held, self.answer_released = threading.Event(), threading.Event()
+        self._hold_next = False
+        self.generate, self.load_adapter = _Remote(self._generate), _Remote(self._load_adapter)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.handle, name)
+
+    def hold_next_answer(self) -> None:
+        self._hold_next = True
+
+    def close(self) -> None:
+        self.load_released.set()
+        self.answer_released.set()
+
+    async def _generate(self, prompt: list[int], params: Any) -> Any:
+        hold, self._hold_next = self._hold_next, False
+        outputs = await self.handle.generate.remote(prompt, params)
+        if hold:
+            self.answer_held.set()
+            await asyncio.to_thread(self.answer_released.wait)
+        self.answers.append(outputs[0].adapter_step)
+        return outputs
+
+    async def _load_adapter(self, files: Any, step: int) -> int:
+        GatedReplica.loading_now += 1
+        GatedReplica.loading_most = max(GatedReplica.loading_most, GatedReplica.loading_now)
+        try:
+            self.loads.append(step)
+            self.load_entered.set()
+            await asyncio.to_thread(self.load_released.wait)
+            return await self.handle.load_adapter.remote(files, step)
+        finally:
+            GatedReplica.loading_now -= 1
+
+
+async def test_ray_replicas_serve_during_a_step_and_switch_one_at_a_time(cluster: Any, tiny_model_dir: Path,
+                                                                        tmp_path: Path, gates: list[Any]) -> None:
+    """``RayBackend(pause_during_step=False)`` with two replicas: requests are answered while the step trains and
+    while the checkpoint is published; a replica takes it only once its request in flight has finished (on the
+    old adapter), and the replicas load it one after the other, never both at once."""
+    import os
+
+    from art_core.backends.ray import RayBackend
+
+    root = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": os.pathsep.join([str(root / "core"), str(root)]), "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    model = TrainableModel(name="ray-async", base_model=tiny_model_dir)
+    async with RayBackend(address=cluster.address, path=tmp_path, num_threads=1, rollout_workers=1,
+                          inference_replicas=2, pause_during_step=False, runtime_env={"env_vars": env}) as backend:
+        await model.register(backend)
+        runner, router = backend._models.get(model.spec).steps, backend.router(model.spec)
+        real = list(router._replicas)
+        gated = [GatedReplica(handle) for handle in real]
+        router._replicas = list(gated)
+        gates.extend(gated)
+        GatedReplica.loading_now = GatedReplica.loading_most = 0
+        step_gate = StepGate(runner)
+        gates.append(step_gate)
+        training = asyncio.create_task(model.train([_group(0)], config=CONFIG))
+        try:
+            await step_gate.wait_entered()
+            (during,) = await model.sample(CHAT, max_tokens=4, temperature=0.0)
+            assert during.calls[0].adapter_step == 0 and not training.done()
+
+            # A request held on its replica (answered by checkpoint 0, not yet returned) while checkpoint 1 is published.
+            for g in gated:
+                g.hold_next_answer()
+            held = asyncio.create_task(model.sample(CHAT, max_tokens=4, temperature=0.0))
+            await _within(lambda: any(g.answer_held.is_set() for g in gated), "no replica answered the request")
+            busy = next(i for i, g in enumerate(gated) if g.answer_held.is_set())
+            for g in gated:
+                g._hold_next = False
+            step_gate.open()
+            for i, g in enumerate(gated):  # the router switches replica 0, then replica 1
+                await _within(lambda: router.switching == i, f"replica {i} was never taken out of routing alone")
+                if i == busy:  # the replica waits for its request in flight before it loads
+                    assert g.loads == [] and not held.done()
+                    g.answer_released.set()
+                    (old,) = await held
+                    assert old.calls[0].adapter_step == 0
+                assert await asyncio.to_thread(g.load_entered.wait, 120), f"replica {i} never loaded the checkpoint"
+                # While replica i loads, the other one answers, with the checkpoint it serves.
+                (meanwhile,) = await model.sample(CHAT, max_tokens=4, temperature=0.0)
+                assert meanwhile.calls[0].adapter_step == (0 if i == 0 else 1)
+                assert gated[1 - i].answers[-1] == meanwhile.calls[0].adapter_step
+                g.load_released.set()
+            await training
+        finally:  # on a failure, let the step end before the backend closes
+            step_gate._released.set()
+            for g in gated:
+                g.close()
+            await asyncio.wait([training], timeout=120)
+            router._replicas = real
+        assert GatedReplica.loading_most == 1, "two replicas loaded at once"
+        assert [g.loads for g in gated] == [[1], [1]] and router.adapter_step == 1 and model.step == 1
+        for handle in real:
+            assert await handle.adapter_step.remote() == 1
+        (after,) = await model.sample(CHAT, max_tokens=4, temperature=0.0)
+        assert after.calls[0].adapter_step == 1
+

@@ -49,6 +49,10 @@ class ServerSettings:
         ray_address: with ``backend="ray"``: the cluster (``"auto"``, ``"ray://host:10001"``); None starts a
             local one whose files stay under ``<path>/ray``.
         inference_replicas, trainer_workers: with ``backend="ray"``: engine replicas and trainer ranks.
+        pause_during_step: hold gateway requests while a step trains (True, the default), or keep serving the
+            last checkpoint during a step so clients' rollouts overlap training (False: what ``pipeline`` on a
+            ``RemoteBackend`` wants). False gives the local transformers engine weights of its own (the
+            separate-module layout: a second copy of the base in memory); Ray replicas switch one at a time.
 
     Raises:
         ConfigError: every problem found, in one message.
@@ -57,7 +61,8 @@ class ServerSettings:
     def __init__(self, *, host: str = "127.0.0.1", port: int = 7999, token: str | None = None,
                  path: str | Path = ".art", inference: str | None = None, trainer: str | None = None,
                  max_body_mb: int = 256, num_threads: int | None = None, backend: str = "local",
-                 ray_address: str | None = None, inference_replicas: int = 1, trainer_workers: int = 1) -> None:
+                 ray_address: str | None = None, inference_replicas: int = 1, trainer_workers: int = 1,
+                 pause_during_step: bool = True) -> None:
         problems = []
         if backend not in BACKEND_CHOICES:
             problems.append(f"--backend {backend!r} is not one of {', '.join(BACKEND_CHOICES)}")
@@ -98,6 +103,14 @@ class ServerSettings:
         # Passed on only when LocalBackend takes them (see _backend_options); otherwise the default is what runs.
         self.backend_options: dict[str, Any] = {k: v for k, v in (("inference", inference), ("trainer", trainer))
                                                 if v is not None and k in backend_options}
+        self.pause_during_step = pause_during_step
+        if not pause_during_step and backend == "local":
+            self.backend_options["pause_during_step"] = False
+            if (inference or backend_options["inference"]) == "transformers":
+                from ..backends._engines import TransformersOptions
+
+                # The engine must not decode the module a step changes: it gets a copy of its own.
+                self.backend_options["transformers"] = TransformersOptions(separate_module=True)
 
 
 def _backend_options() -> dict[str, Any]:
@@ -175,7 +188,8 @@ def _backend(settings: ServerSettings, url: str) -> Any:
         return RayBackend(address=settings.ray_address, path=settings.path,
                           inference=settings.inference or "transformers",
                           inference_replicas=settings.inference_replicas, trainer_workers=settings.trainer_workers,
-                          num_threads=settings.num_threads, api_key=settings.token)
+                          num_threads=settings.num_threads, api_key=settings.token,
+                          pause_during_step=settings.pause_during_step)
     from ..backends.local import LocalBackend
 
     return LocalBackend(path=settings.path, num_threads=settings.num_threads, show_progress=False,

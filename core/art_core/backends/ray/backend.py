@@ -12,7 +12,9 @@ A step runs as on every backend (``_steps.StepRunner``: groups to disk, pause, t
 history, resume); this backend supplies how it trains (the trainer group, on the groups split by tokens; rank
 0's adapter comes back and is written atomically on the driver's disk) and how it publishes (the adapter goes
 through the object store to every replica, which hot-loads it; the gateway resumes once every replica serves
-the new step, and stays paused with the error if one cannot).
+the new step, and stays paused with the error if one cannot). With ``pause_during_step=False`` the replicas
+serve while the trainer group trains (their weights are their own), and take the new checkpoint one at a
+time (``ReplicaRouter.load_adapter_files(one_at_a_time=True)``), so requests never all wait.
 
 Ray is started and stopped through its API only: ``address=None`` starts a local cluster whose temp and
 log files stay under ``<path>/ray`` and which ``aclose()`` stops; any other address (``"auto"``,
@@ -80,6 +82,8 @@ class _RaySteps:
 
     trainer: TrainerGroup
     router: ReplicaRouter
+    one_at_a_time: bool = False
+    """Switch the replicas in turn while the others serve (the pipeline's policy) instead of all at once."""
 
     async def train(self, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig, *, step: int,
                     progress: Progress | None, return_gradients: bool = False) -> Trained:
@@ -95,7 +99,7 @@ class _RaySteps:
     async def publish(self, checkpoint: Path, step: int) -> None:
         from .replicas import adapter_files
 
-        await self.router.load_adapter_files(adapter_files(checkpoint), step)
+        await self.router.load_adapter_files(adapter_files(checkpoint), step, one_at_a_time=self.one_at_a_time)
 
 
 class RayBackend(ServesModels):
@@ -132,6 +136,10 @@ class RayBackend(ServesModels):
             (FSDP2 shards the frozen base over the ranks, one decoder layer per unit; the LoRA adapter stays
             whole on each) or ``"auto"`` (FSDP2 when the base's weight files take more than half of one
             GPU; never on CPU-only ranks). Default: ``"auto"``.
+        pause_during_step: hold requests while a step trains and every replica loads its checkpoint (True,
+            the default), or keep serving the last checkpoint during a step and switch the replicas to the new
+            one one at a time, each drained of its requests first (False: the asynchronous pipeline; the
+            replicas' weights are their own, so any layout can). Default: True.
     """
 
     def __init__(self, *, address: str | None = None, path: str | Path = ".art", inference_replicas: int = 1,
@@ -141,7 +149,8 @@ class RayBackend(ServesModels):
                  gpus_per_rank: float | None = None, num_threads: int | None = None,
                  resources: dict[str, dict[str, float]] | None = None, gateway_host: str = "127.0.0.1",
                  api_key: str | None = None, runtime_env: dict[str, Any] | None = None,
-                 max_rollout_attempts: int = 3, sharding: str = "auto", vllm: VLLMOptions | None = None) -> None:
+                 max_rollout_attempts: int = 3, sharding: str = "auto", vllm: VLLMOptions | None = None,
+                 pause_during_step: bool = True) -> None:
         for name, value in (("inference_replicas", inference_replicas), ("trainer_workers", trainer_workers),
                             ("rollout_workers", rollout_workers), ("rollouts_per_worker", rollouts_per_worker)):
             if value < 1:
@@ -172,6 +181,7 @@ class RayBackend(ServesModels):
         self.max_rollout_attempts = max_rollout_attempts
         self.sharding = sharding
         self.vllm = vllm_options
+        self.pause_during_step = pause_during_step
         self._models: ModelTable[_Slot] = ModelTable(self.path, "RayBackend")
         self._env_before: dict[str, str | None] | None = None
         self._started = False
@@ -227,8 +237,9 @@ class RayBackend(ServesModels):
         host = self.gateway_host
         if host in ("0.0.0.0", "", "::"):  # workers on other nodes reach this node by its address
             host = ray.util.get_node_ip_address()
-        steps = StepRunner(name=model.name, model_dir=model_dir, step=step, work=_RaySteps(trainer, router),
-                           hold=gateway.control, engine_label="Ray replicas'")
+        steps = StepRunner(name=model.name, model_dir=model_dir, step=step,
+                           work=_RaySteps(trainer, router, one_at_a_time=not self.pause_during_step),
+                           hold=gateway.control, engine_label="Ray replicas'", pause_during_step=self.pause_during_step)
         self._models.add(model, _Slot(router, trainer, gateway, f"http://{host}:{gateway.port}", {}, steps))
         return step
 

