@@ -15,7 +15,7 @@ LITELLM ?= litellm==1.83.0
 # remote tests (scripts/setup_client_venv.sh, ~1 min, keyed by a hash of the pyproject files).
 export ART_VLLM_VENV ?= $(HOME)/.cache/art-core/venv-vllm
 
-.PHONY: demo test test-loaded bench bench-sft clean
+.PHONY: demo test test-loaded bench bench-sft bench-loop clean
 
 PIP    := $(PY) -m pip install -q
 
@@ -56,6 +56,12 @@ bench: $(VENV)/.installed
 bench-sft: $(VENV)/.installed
 	$(PIP) -e "./core[bench]"
 	$(PY) tests/benchmarks/sft_vs_trl.py
+
+# The whole GRPO loop (sampling + training; ours synchronous and pipelined) against TRL's GRPOTrainer loop: 3 runs of
+# 10 steps per side (about 10 minutes on 2 cores).
+bench-loop: $(VENV)/.installed
+	$(PIP) -e "./core[bench]"
+	$(PY) tests/benchmarks/loop_vs_trl.py
 
 clean:
 	rm -rf $(VENV) .art
