@@ -8,7 +8,7 @@ question is asked once in the run. The reward gives partial credit (``reward``):
 reply, else 0.5 + 0.5 x (share of the reply the sum takes), plus a tie-breaker under 0.01 drawn from a hash of
 the reply, so a group rarely has all-equal rewards (see "deviations"). Every side trains the same base model (the
 embedded SmolLM2-135M-Instruct) in fp32 on CPU with the same LoRA adapter (r=8, alpha=16, dropout 0, on q,k,v,o,gate,up,
-down, initialised to the same values: ``_reset_adapter``), the same DAPO loss (token-level mean over the step,
+down, initialised to the same values: ``_same_work.reset_adapter``), the same DAPO loss (token-level mean over the step,
 clip 0.2/0.28, beta=0, group-std advantages), one optimizer step per step (AdamW, constant lr ``--lr``, default
 1e-3 as in the README's adder; clipping at norm 1.0, no weight decay) on all of that step's groups.
 
@@ -106,17 +106,21 @@ import asyncio
 import hashlib
 import json
 import math
-import os
 import random
 import resource
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import zlib
 from pathlib import Path
 from typing import Any
+
+from _same_work import (  # noqa: E402 (beside this script)
+    busy_cpu_seconds,
+    reset_adapter,
+    resolve_model,
+    run_side_process,
+)
 
 SEED = 0
 GOAL = 3.0  # ours pipelined at least this many times TRL's steps per minute (issue 25)
@@ -169,43 +173,9 @@ def _fingerprint(value: Any) -> str:
     return hashlib.sha256(json.dumps(value).encode()).hexdigest()[:12]
 
 
-def _reset_adapter(model: Any) -> str:
-    """Give the LoRA weights the same values on every side; returns a fingerprint of their names and shapes.
-
-    PEFT's default init (A ~ U(+-1/sqrt(fan_in)), B = 0), drawn from one seeded generator in name order, because
-    the sides consume the global RNG differently before PEFT initialises the adapter. With B = 0 the adapted model
-    is the base model whatever A is, so an engine holding a copy of its own (pipelined) needs no reset.
-    """
-    import torch
-
-    generator = torch.Generator().manual_seed(SEED)
-    names = []
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if not param.requires_grad:
-                continue
-            names.append(f"{name}:{tuple(param.shape)}")
-            if "lora_A" in name:
-                bound = 1.0 / math.sqrt(param.shape[1])
-                param.copy_(torch.rand(param.shape, generator=generator) * 2 * bound - bound)
-            elif "lora_B" in name:
-                param.zero_()
-            else:
-                raise RuntimeError(f"unexpected trainable parameter {name}: only LoRA weights should train")
-    return hashlib.sha256("\n".join(names).encode()).hexdigest()[:12]
-
-
 # --------------------------------------------------------------------------------------------------
 # Measuring
 # --------------------------------------------------------------------------------------------------
-
-def _busy_cpu_seconds() -> float:
-    """CPU time every process on the machine has used (all cores), from /proc/stat."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
 
 class Clock:
     """Wall time and the CPU other processes used (in cores) over a span, and over each step within it."""
@@ -216,7 +186,7 @@ class Clock:
 
     @staticmethod
     def _now() -> tuple[float, float, float]:
-        return time.perf_counter(), time.process_time(), _busy_cpu_seconds()
+        return time.perf_counter(), time.process_time(), busy_cpu_seconds()
 
     @staticmethod
     def _span(a: tuple[float, float, float], b: tuple[float, float, float]) -> dict[str, float]:
@@ -256,7 +226,7 @@ async def _ours(model_dir: Path, questions: list[tuple[int, int]], scratch: str,
                          tis_cap=None, loss_options={"epsilon_low": EPSILON_LOW, "epsilon_high": EPSILON_HIGH})
     async with backend:
         await model.register(backend)
-        adapter = _reset_adapter(backend._models.get(model.spec).trainer.model)  # the trainer's module
+        adapter = reset_adapter(backend._models.get(model.spec).trainer.model, SEED)  # the trainer's module
         load_s = time.perf_counter() - t0
 
         prompts: list[list[int]] = []
@@ -368,7 +338,7 @@ def _trl(model_dir: Path, questions: list[tuple[int, int]], scratch: str, *, ste
         peft_config=LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=LORA_DROPOUT,
                                target_modules=LORA_TARGETS, task_type="CAUSAL_LM"),
     )
-    adapter = _reset_adapter(trainer.model)
+    adapter = reset_adapter(trainer.model, SEED)
     load_s = time.perf_counter() - t0
     outer = Clock()
     trainer.train()
@@ -409,26 +379,10 @@ def run_side(side: str, model_dir: Path, *, steps: int, per_step: int, group_siz
 # --------------------------------------------------------------------------------------------------
 
 def _spawn(side: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, __file__, "--side", side, "--model", str(model_dir), "--steps", str(args.steps),
-               "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
-               "--max-tokens", str(args.max_tokens), "--lr", repr(args.lr), "--threads", str(args.threads),
-               "--seed", str(args.seed), "--result-file", out.name]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-               "OMP_NUM_THREADS": str(args.threads)}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"side {side!r} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-        return json.loads(Path(out.name).read_text())
-
-
-def _resolve_model(name_or_path: str) -> Path:
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        return path.absolute()
-    from art_core.models import resolve_base_model
-
-    return Path(resolve_base_model(name_or_path))
+    options = ["--model", str(model_dir), "--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step),
+               "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens), "--lr", repr(args.lr),
+               "--threads", str(args.threads), "--seed", str(args.seed)]
+    return run_side_process(__file__, side, options, threads=args.threads)
 
 
 def main() -> None:
@@ -456,7 +410,7 @@ def main() -> None:
         Path(args.result_file).write_text(json.dumps(result))
         return
 
-    model_dir = _resolve_model(args.model)
+    model_dir = resolve_model(args.model)
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
     for round_index in range(args.rounds):
         for side in SIDES if round_index % 2 == 0 else SIDES[::-1]:  # ABC CBA: a drifting load hits no side more

@@ -5,7 +5,7 @@ seed (``make_chats``): a system prompt and the tool schemas, a user request, the
 tool call, its result and an answer; two calls in turn; two calls in parallel; or a direct answer. Both
 sides train the same base model (the embedded SmolLM2-135M-Instruct, its chat template with tool calls:
 ``art_core/models/templates.py``) in fp32 on CPU, with the same LoRA adapter (r=8, alpha=16, dropout 0, on
-q,k,v,o,gate,up,down, initialised to the same values: ``_reset_adapter``), on the same loss: the token-level
+q,k,v,o,gate,up,down, initialised to the same values: ``_same_work.reset_adapter``), on the same loss: the token-level
 mean negative log-likelihood of every assistant token (text, tool calls and the closing ``<|im_end|>``),
 nothing of the system, user or tool turns. 8 chats per optimizer step, AdamW at lr 1e-4, a linear schedule
 from the first step down to zero at the end of the epoch (no warm-up), gradient clipping at norm 1.0, no
@@ -62,16 +62,20 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import random
 import resource
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from _same_work import (  # noqa: E402 (beside this script)
+    busy_cpu_seconds,
+    reset_adapter,
+    resolve_model,
+    run_side_process,
+)
 
 SEED = 0
 CHATS = 200
@@ -248,42 +252,9 @@ def _fingerprint(rows: list[tuple[list[int], list[bool]]]) -> str:
     return hashlib.sha256(json.dumps([[ids, [int(m) for m in mask]] for ids, mask in rows]).encode()).hexdigest()[:12]
 
 
-def _reset_adapter(model: Any) -> str:
-    """Give the LoRA weights the same values on both sides; returns a fingerprint of their names.
-
-    PEFT's default init (A ~ U(+-1/sqrt(fan_in)), B = 0), drawn from one seeded generator in name order,
-    because the two sides consume the global RNG differently before PEFT initialises the adapter.
-    """
-    import torch
-
-    generator = torch.Generator().manual_seed(SEED)
-    names = []
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if not param.requires_grad:
-                continue
-            names.append(f"{name}:{tuple(param.shape)}")
-            if "lora_A" in name:
-                bound = 1.0 / math.sqrt(param.shape[1])
-                param.copy_(torch.rand(param.shape, generator=generator) * 2 * bound - bound)
-            elif "lora_B" in name:
-                param.zero_()
-            else:
-                raise RuntimeError(f"unexpected trainable parameter {name}: only LoRA weights should train")
-    return hashlib.sha256("\n".join(names).encode()).hexdigest()[:12]
-
-
 # --------------------------------------------------------------------------------------------------
 # One side, in its own process
 # --------------------------------------------------------------------------------------------------
-
-def _busy_cpu_seconds() -> float:
-    """CPU time every process on the machine has used (all cores), from /proc/stat."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
 
 class StepClock:
     """Times consecutive optimizer steps: wall time, and the CPU other processes used meanwhile (in cores)."""
@@ -293,7 +264,7 @@ class StepClock:
         self.start()
 
     def start(self) -> None:
-        self._mark = (time.perf_counter(), time.process_time(), _busy_cpu_seconds())
+        self._mark = (time.perf_counter(), time.process_time(), busy_cpu_seconds())
 
     def tick(self) -> None:
         t0, cpu0, busy0 = self._mark
@@ -312,7 +283,7 @@ def _ours(model_dir: Path, chats: list[dict[str, Any]], *, share_prefix: bool = 
     from art_core.types import Trajectory, TrajectoryGroup
 
     model, tokenizer = load_policy(model_dir, LoraSettings(), device="cpu")
-    adapter = _reset_adapter(model)
+    adapter = reset_adapter(model, SEED)
     trainer = GRPOTrainer(model, tokenizer)
     trajectories = [Trajectory(messages=c["messages"], tools=c["tools"]) for c in chats]
     tokens = _fingerprint([(s.token_ids, s.trained) for t in trajectories
@@ -388,7 +359,7 @@ def _trl(model_dir: Path, chats: list[dict[str, Any]], scratch: str) -> dict[str
 
     trainer = Timed(model=str(model_dir), args=args, train_dataset=dataset, processing_class=tokenizer,
                     peft_config=peft_config, callbacks=[Clock()])
-    adapter = _reset_adapter(trainer.model)
+    adapter = reset_adapter(trainer.model, SEED)
     prepared = trainer.train_dataset
     rows = [(row["input_ids"], [label != -100 for label in row["labels"]]) for row in prepared]
     tokens = _fingerprint(rows)
@@ -425,24 +396,8 @@ def run_side(side: str, model_dir: Path, *, chats: int, threads: int) -> dict[st
 # --------------------------------------------------------------------------------------------------
 
 def _spawn(side: str, model_dir: Path, *, chats: int, threads: int) -> dict[str, Any]:
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, __file__, "--side", side, "--model", str(model_dir), "--chats", str(chats),
-               "--threads", str(threads), "--result-file", out.name]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-               "OMP_NUM_THREADS": str(threads)}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"side {side!r} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-        return json.loads(Path(out.name).read_text())
-
-
-def _resolve_model(name_or_path: str) -> Path:
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        return path.absolute()
-    from art_core.models import resolve_base_model
-
-    return Path(resolve_base_model(name_or_path))
+    options = ["--model", str(model_dir), "--chats", str(chats), "--threads", str(threads)]
+    return run_side_process(__file__, side, options, threads=threads)
 
 
 def main() -> None:
@@ -464,7 +419,7 @@ def main() -> None:
         Path(args.result_file).write_text(json.dumps(result))
         return
 
-    model_dir = _resolve_model(args.model)
+    model_dir = resolve_model(args.model)
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
     for round_index in range(args.rounds):
         for side in SIDES if round_index % 2 == 0 else SIDES[::-1]:  # ABBA: a drifting load hits no side more

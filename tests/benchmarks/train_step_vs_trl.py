@@ -3,7 +3,7 @@
 The work is the shape an agent with tools produces: one group of 8 completions of 64 tokens each, all
 behind the same 256-token prompt (system prompt + tool schemas + task). Both sides train the same base
 model in fp32 on CPU with the same LoRA adapter (r=8, alpha=16, dropout 0, on q,k,v,o,gate,up,down,
-initialised to the same values: ``_reset_adapter``), the same DAPO loss (token-level mean, clip
+initialised to the same values: ``_same_work.reset_adapter``), the same DAPO loss (token-level mean, clip
 0.2/0.28, beta=0), the same advantages, AdamW at lr 5e-5 and gradient clipping at norm 1.0, one
 optimizer step per group.
 
@@ -68,8 +68,6 @@ import os
 import random
 import resource
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -78,6 +76,13 @@ from typing import Any
 PROMPT_TOKENS = 256  # a tool-using agent's system prompt + tool schemas + task
 COMPLETION_TOKENS = 64
 GROUP_SIZE = 8
+from _same_work import (  # noqa: E402 (beside this script)
+    busy_cpu_seconds,
+    reset_adapter,
+    resolve_model,
+    run_side_process,
+)
+
 SEED = 0
 GOAL = 5.0  # ours should be at least this many times faster than TRL (issue 17)
 MEMORY_GOAL = 0.3  # and peak RSS at most this fraction of TRL's (issue 17)
@@ -120,32 +125,6 @@ def make_workload(tokenizer: Any) -> dict[str, Any]:
             "advantages": advantages, "fingerprint": fingerprint}
 
 
-def _reset_adapter(model: Any) -> str:
-    """Give the LoRA weights the same values on both sides; returns a fingerprint of their names.
-
-    Same scheme as PEFT's default init (A ~ kaiming-uniform(a=sqrt(5)) = U(+-1/sqrt(fan_in)), B = 0),
-    drawn from one seeded generator in name order, because the two sides consume the global RNG
-    differently before PEFT initialises the adapter.
-    """
-    import torch
-
-    generator = torch.Generator().manual_seed(SEED)
-    names = []
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if not param.requires_grad:
-                continue
-            names.append(f"{name}:{tuple(param.shape)}")
-            if "lora_A" in name:
-                bound = 1.0 / math.sqrt(param.shape[1])
-                param.copy_(torch.rand(param.shape, generator=generator) * 2 * bound - bound)
-            elif "lora_B" in name:
-                param.zero_()
-            else:
-                raise RuntimeError(f"unexpected trainable parameter {name}: only LoRA weights should train")
-    return hashlib.sha256("\n".join(names).encode()).hexdigest()[:12]
-
-
 # --------------------------------------------------------------------------------------------------
 # One side, in its own process
 # --------------------------------------------------------------------------------------------------
@@ -173,14 +152,6 @@ def _peak_rss_since_reset_mib() -> float:
     return math.nan
 
 
-def _busy_cpu_seconds() -> float:
-    """CPU time every process on the machine has used (all cores), from /proc/stat."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
 def _measured(step: Any) -> dict[str, float]:
     """Run one step; add its wall time, this process's CPU time, and how busy the rest of the machine was.
 
@@ -188,10 +159,10 @@ def _measured(step: Any) -> dict[str, float]:
     kept busy throughout): on 2 cores, even a little of it slows 2-thread torch a lot (the threads
     wait for each other at every op), so steps are later split into quiet and contended ones.
     """
-    busy0, cpu0, t0 = _busy_cpu_seconds(), time.process_time(), time.perf_counter()
+    busy0, cpu0, t0 = busy_cpu_seconds(), time.process_time(), time.perf_counter()
     out = step()
     seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    others = max(0.0, _busy_cpu_seconds() - busy0 - cpu)
+    others = max(0.0, busy_cpu_seconds() - busy0 - cpu)
     return {"seconds": seconds, "cpu_seconds": cpu, "others_cores": others / seconds, **out}
 
 
@@ -202,7 +173,7 @@ def _ours_setup(model_dir: Path, work: dict[str, Any], *, share_prefix: bool) ->
     from art_core.types import CallRecord, Trajectory, TrajectoryGroup
 
     model, tokenizer = load_policy(model_dir, LoraSettings(), device="cpu")
-    adapter = _reset_adapter(model)
+    adapter = reset_adapter(model, SEED)
     trainer = GRPOTrainer(model, tokenizer)
     group = TrajectoryGroup([
         Trajectory(calls=[CallRecord(prompt_token_ids=work["prompt"], completion_token_ids=c, logprobs=None)],
@@ -251,7 +222,7 @@ def _trl_setup(model_dir: Path, work: dict[str, Any], scratch: str) -> tuple[Any
         peft_config=LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=LORA_DROPOUT,
                                target_modules=LORA_TARGETS, task_type="CAUSAL_LM"),
     )
-    adapter = _reset_adapter(trainer.model)
+    adapter = reset_adapter(trainer.model, SEED)
     trainer.create_optimizer()
     model, optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)  # as Trainer.train() does
     trainer.current_gradient_accumulation_steps = 1  # what Trainer.train() sets for a one-batch window
@@ -335,24 +306,8 @@ def run_side(side: str, model_dir: Path, *, steps: int, threads: int) -> dict[st
 # --------------------------------------------------------------------------------------------------
 
 def _spawn(side: str, model_dir: Path, *, steps: int, threads: int) -> dict[str, Any]:
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, __file__, "--side", side, "--model", str(model_dir), "--steps", str(steps),
-               "--threads", str(threads), "--result-file", out.name]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-               "OMP_NUM_THREADS": str(threads)}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"side {side!r} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-        return json.loads(Path(out.name).read_text())
-
-
-def _resolve_model(name_or_path: str) -> Path:
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        return path.absolute()
-    from art_core.models import resolve_base_model
-
-    return Path(resolve_base_model(name_or_path))
+    options = ["--model", str(model_dir), "--steps", str(steps), "--threads", str(threads)]
+    return run_side_process(__file__, side, options, threads=threads)
 
 
 def main() -> None:
@@ -375,7 +330,7 @@ def main() -> None:
         Path(args.result_file).write_text(json.dumps(result))
         return
 
-    model_dir = _resolve_model(args.model)
+    model_dir = resolve_model(args.model)
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
     round_index, max_rounds = 0, max(args.max_rounds, args.rounds)
     while round_index < max_rounds:
