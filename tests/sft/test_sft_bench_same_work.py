@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,12 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "sft_vs_trl.py"
 def bench():
     spec = importlib.util.spec_from_file_location("sft_vs_trl", BENCH)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    # The script imports its neighbour _same_work.py, as it does when run (its folder is then sys.path[0]).
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH.parent))
     return module
 
 
