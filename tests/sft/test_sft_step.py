@@ -212,3 +212,61 @@ def test_a_pass_that_fails_midway_leaves_the_adapter_as_it_was(trainer):
     assert trainer.optimizer is None and all(p.grad is None for p in trainer.params)
     metrics = trainer.train_step([TrajectoryGroup(trajectories)], SFTConfig(batch_size=1, learning_rate=1e-2))
     assert metrics["optimizer_steps"] == 3.0  # and the trainer still works
+
+
+def _adamw_steps(trainer: GRPOTrainer) -> int:
+    """How many updates the optimizer's moments have accumulated (AdamW's ``step``, equal over parameters)."""
+    counts = {float(state["step"]) for state in trainer.optimizer.state.values()}
+    assert len(counts) == 1
+    return int(counts.pop())
+
+
+def _ranked_group() -> TrajectoryGroup:
+    """Two answers to one question with different rewards: a GRPO step has something to train."""
+    return TrajectoryGroup([Trajectory.model_validate({"messages": [{"role": "user", "content": "2+3?"},
+                                                                    {"role": "assistant", "content": answer}],
+                                                       "reward": reward})
+                            for answer, reward in (("5", 1.0), ("6", 0.0))])
+
+
+def test_a_step_of_another_kind_starts_adamw_afresh(trainer, tmp_path):
+    """SFT's moments are not GRPO's: carried over, the demonstrations' momentum steered the GRPO steps after a
+    warm start. Each change of kind starts AdamW at step 0; steps of one kind go on counting, also across a
+    resume from a checkpoint of that kind (and not from one of the other kind)."""
+    from art_core.training.checkpoints import write_checkpoint
+
+    chats = TrajectoryGroup([_chat_trajectory(), _chat_trajectory()])
+    trainer.train_step([chats], SFTConfig(batch_size=1, epochs=2, learning_rate=1e-3))
+    assert _adamw_steps(trainer) == 4
+    trainer.train_step([_ranked_group()], TrainConfig(learning_rate=1e-3))
+    assert _adamw_steps(trainer) == 1  # afresh, not 5
+    trainer.train_step([_ranked_group()], TrainConfig(learning_rate=1e-3))
+    assert _adamw_steps(trainer) == 2
+    grpo_dir = write_checkpoint(tmp_path, 3, trainer.save, metadata={"kind": "grpo"})
+    trainer.train_step([chats], SFTConfig(batch_size=2, learning_rate=1e-3))
+    assert _adamw_steps(trainer) == 1
+    sft_dir = write_checkpoint(tmp_path, 4, trainer.save, metadata={"kind": "sft"})
+
+    for directory, kind, expected in ((grpo_dir, "grpo", 3), (sft_dir, "sft", 1)):
+        resumed = GRPOTrainer(trainer.model, trainer.tokenizer)
+        assert resumed.load_optimizer_state(directory)
+        resumed.train_step([_ranked_group()], TrainConfig(learning_rate=1e-3))
+        assert _adamw_steps(resumed) == expected, f"a GRPO step after a resume from a {kind} checkpoint"
+
+
+def test_a_failed_pass_of_another_kind_puts_the_old_moments_back(trainer):
+    """An SFT pass after GRPO steps starts its own AdamW; if it fails, the GRPO moments are back, and the next
+    GRPO step continues them."""
+    for _ in range(2):
+        trainer.train_step([_ranked_group()], TrainConfig(learning_rate=1e-3))
+
+    def interrupt(done: int, total: int) -> None:
+        if done == 2:
+            raise KeyboardInterrupt("stop")
+
+    chats = TrajectoryGroup([_chat_trajectory(), _chat_trajectory(), _chat_trajectory()])
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train_step([chats], SFTConfig(batch_size=1, learning_rate=1e-3), progress=interrupt)
+    assert _adamw_steps(trainer) == 2
+    trainer.train_step([_ranked_group()], TrainConfig(learning_rate=1e-3))
+    assert _adamw_steps(trainer) == 3
