@@ -51,15 +51,21 @@ def _runner(model: TrainableModel) -> Any:
 async def test_max_off_policy_0_is_the_synchronous_loop(model: TrainableModel) -> None:
     started: list[int] = []
     lines: list[str] = []
+    played: list[TrajectoryGroup] = []
+    seen: list[tuple[int, list[TrajectoryGroup]]] = []
 
     async def play(task: int) -> TrajectoryGroup:
         started.append(model.step)
-        return await _play_sample(model)
+        played.append(await _play_sample(model))
+        return played[-1]
 
     report = await pipeline(model, itertools.count(), play, steps=2, groups_per_step=2, max_off_policy=0,
-                            concurrency=4, config=CONFIG, log=lines.append)
+                            concurrency=4, config=CONFIG, log=lines.append,
+                            on_step=lambda step, groups: seen.append((step.step, groups)))
     assert started == [0, 0, 1, 1]  # each step's rollouts start once the step before it is served
     assert [s.step for s in report.steps] == [1, 2] and model.step == 2
+    assert [step for step, _ in seen] == [1, 2]  # on_step: each step's report and the groups it trained
+    assert [{id(g) for g in groups} for _, groups in seen] == [{id(g) for g in played[:2]}, {id(g) for g in played[2:]}]
     for row in await model.history():
         assert row["groups_staleness_0"] == 2 and row["groups_stale"] == 0 and row["samples_off_policy"] == 0
     assert len(lines) == 2 and lines[0].startswith("step 1: reward 0.500, staleness mean 0.00 max 0, 0 group(s) "

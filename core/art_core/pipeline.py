@@ -157,7 +157,8 @@ def stalest_first(ready: list[_Ready[Any]], count: int) -> list[TrajectoryGroup]
 async def pipeline(model: TrainableModel, tasks: Iterable[T], play: Callable[[T], Awaitable[TrajectoryGroup]], *,
                    steps: int, groups_per_step: int, max_off_policy: int = 1, concurrency: int = 4,
                    config: TrainConfig | None = None,
-                   log: Callable[[str], None] | None = print) -> PipelineReport:
+                   log: Callable[[str], None] | None = print,
+                   on_step: Callable[[StepReport, list[TrajectoryGroup]], None] | None = None) -> PipelineReport:
     """Roll out ``tasks`` continuously and train ``steps`` steps on the groups as they are ready.
 
     Args:
@@ -171,6 +172,8 @@ async def pipeline(model: TrainableModel, tasks: Iterable[T], play: Callable[[T]
         concurrency: most rollouts (``play`` calls) running at once. Default 4.
         config: the steps' settings; its ``max_off_policy`` is replaced by this call's. Default ``TrainConfig()``.
         log: gets one progress line per step (``StepReport.line``); None: silent. Default ``print``.
+        on_step: called after each step with its report and the groups it was given (stalest first), e.g. to
+            plot or log them; the pipeline itself keeps no group after its step.
 
     Returns:
         A ``PipelineReport``.
@@ -186,16 +189,18 @@ async def pipeline(model: TrainableModel, tasks: Iterable[T], play: Callable[[T]
             raise ConfigError(f"pipeline({name}={value!r}): give an int >= {low}")
     settings = (config or TrainConfig()).model_copy(update={"max_off_policy": max_off_policy})
     return await _Pipeline(model, iter(tasks), play, steps, groups_per_step, max_off_policy, concurrency, settings,
-                           log).run()
+                           log, on_step).run()
 
 
 class _Pipeline(Generic[T]):
     def __init__(self, model: TrainableModel, tasks: Iterator[T], play: Callable[[T], Awaitable[TrajectoryGroup]],
                  steps: int, groups_per_step: int, max_off_policy: int, concurrency: int, config: TrainConfig,
-                 log: Callable[[str], None] | None) -> None:
+                 log: Callable[[str], None] | None,
+                 on_step: Callable[[StepReport, list[TrajectoryGroup]], None] | None) -> None:
         self.model, self.tasks, self.play, self.steps = model, tasks, play, steps
         self.per_step, self.bound, self.concurrency, self.config, self.log = (groups_per_step, max_off_policy,
                                                                               concurrency, config, log)
+        self.on_step = on_step
         self.report = PipelineReport()
         self.clock = _Clock()
         self.ready: list[_Ready[T]] = []
@@ -280,3 +285,5 @@ class _Pipeline(Generic[T]):
         self.report.steps.append(report)
         if self.log is not None:
             self.log(report.line())
+        if self.on_step is not None:
+            self.on_step(report, groups)
