@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from rich.console import Console
 
-from art_core import (LocalBackend, SFTConfig, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup,
-                      TransformersOptions, pipeline)
+from art_core import (History, LocalBackend, SFTConfig, StepReport, TrainableModel, TrainConfig, Trajectory,
+                      TrajectoryGroup, TransformersOptions, pipeline)
 from art_core.errors import ConfigError
 from art_core.models import EMBEDDED_MODEL
 from art_core.tracking import TRACKER_NAMES
@@ -100,6 +100,12 @@ class ExampleSettings:
     """Passes over the demonstrations in the SFT step: a handful of demonstrations need more than one."""
     sft_learning_rate: float = 1e-3
     """Peak rate of the SFT step (linear decay): high for LoRA, as the GRPO rate is, so a few demonstrations tell."""
+    sft_batch_size: int = 4
+    """Demonstrations (with ``sft_unique_turns``: turns) per optimizer step of the SFT step."""
+    sft_unique_turns: bool = False
+    """Train each distinct turn of the demonstrations (a context the model saw and the teacher's reply) once per
+    epoch instead of each demonstration whole: a game's opening position, repeated in half the games, then costs
+    one sample, and the same time covers more positions (see ``unique_turns``)."""
     max_off_policy: int = 0
     """0: the synchronous GRPO loop. N > 0: the GRPO steps run through ``art_core.pipeline(max_off_policy=N)``,
     rollouts overlapping steps, on a backend that serves during steps (``open_backend``)."""
@@ -146,6 +152,12 @@ def parse_settings(description: str, defaults: ExampleSettings, argv: Sequence[s
                         help="passes over the demonstrations in the SFT step (default: %(default)s)")
     parser.add_argument("--sft-learning-rate", type=float, default=defaults.sft_learning_rate,
                         help="peak learning rate of the SFT step (default: %(default)s)")
+    parser.add_argument("--sft-batch-size", type=int, default=defaults.sft_batch_size,
+                        help="demonstrations (turns, with --sft-unique-turns) per SFT optimizer step "
+                        "(default: %(default)s)")
+    parser.add_argument("--sft-unique-turns", action=argparse.BooleanOptionalAction, default=defaults.sft_unique_turns,
+                        help="train each distinct turn of the demonstrations once per epoch, not each demonstration "
+                        "whole (default: %(default)s)")
     parser.add_argument("--max-off-policy", type=int, default=defaults.max_off_policy, metavar="N",
                         help="asynchronous GRPO: rollouts keep running while a step trains (art_core.pipeline), each "
                         "group trained at most N steps after the checkpoint that sampled it; the backend serves "
@@ -153,7 +165,8 @@ def parse_settings(description: str, defaults: ExampleSettings, argv: Sequence[s
                         "0: the synchronous loop (default: %(default)s)")
     args = parser.parse_args(argv)
     args.report_to = tuple(args.report_to)
-    least = {"steps": 0, "demos": 0, "groups": 1, "rollouts": 1, "held_out": 1, "eval_rollouts": 1, "sft_epochs": 1}
+    least = {"steps": 0, "demos": 0, "groups": 1, "rollouts": 1, "held_out": 1, "eval_rollouts": 1, "sft_epochs": 1,
+             "sft_batch_size": 1}
     for flag, low in least.items():
         if getattr(args, flag) < low:
             parser.error(f"--{flag.replace('_', '-')} must be at least {low}, got {getattr(args, flag)}")
@@ -305,7 +318,7 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
         demo_tasks: at least ``settings.demos`` tasks for the demonstrations (the first ones are used), none of
             them a held-out task.
         sft_config: the SFT step's settings; default: ``settings.sft_epochs`` passes at
-            ``settings.sft_learning_rate``, 4 demonstrations per optimizer step.
+            ``settings.sft_learning_rate``, ``settings.sft_batch_size`` demonstrations (or turns) per optimizer step.
 
     Returns:
         The held-out success before, after the SFT step (if any) and after, and each step's figures.
@@ -324,7 +337,7 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
     if settings.demos:
         _check_demonstrations(settings.demos, demonstrate, demo_tasks, eval_tasks, title or model.name)
         sft_config = sft_config or SFTConfig(epochs=settings.sft_epochs, learning_rate=settings.sft_learning_rate,
-                                             batch_size=min(4, settings.demos))
+                                             batch_size=settings.sft_batch_size)
     measure = measure or play
     started = time.perf_counter()
     runs = f"{len(eval_tasks)} tasks x {settings.eval_rollouts}"
@@ -336,7 +349,8 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
     result = LearningResult(title or model.name, before, before, model_dir=model.model_dir)
     if demo_tasks:
         assert demonstrate is not None and sft_config is not None  # _check_demonstrations saw to both
-        trained = await _warm_start(model, demonstrate, demo_tasks, sft_config, result, console)
+        trained = await _warm_start(model, demonstrate, demo_tasks, sft_config, result, console,
+                                    unique=settings.sft_unique_turns)
         if trained and settings.steps:  # with no GRPO step, the evaluation after training is this one
             with console.status(f"held-out evaluation after the SFT step ({runs} runs)..."):
                 t0 = time.perf_counter()
@@ -422,32 +436,6 @@ class _Replacements:
     given: int = 0
 
 
-class _SteppedModel:
-    """The model as ``pipeline`` sees it: each ``train`` call is also recorded, as the synchronous loop records its
-    steps (``on_step(groups, metrics, waited_seconds, train_seconds)``); everything else is the model's."""
-
-    def __init__(self, model: TrainableModel, on_step: Callable[[Sequence[TrajectoryGroup], dict[str, Any], float,
-                                                                  float], None]) -> None:
-        self._model, self._on_step = model, on_step
-        self._last_end = time.perf_counter()
-
-    @property
-    def step(self) -> int:
-        return self._model.step
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
-
-    async def train(self, groups: Sequence[TrajectoryGroup], *, config: TrainConfig | None = None,
-                    **kwargs: Any) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        metrics = await self._model.train(groups, config=config, **kwargs)
-        t1 = time.perf_counter()
-        self._on_step(groups, dict(metrics), t0 - self._last_end, t1 - t0)
-        self._last_end = t1
-        return metrics
-
-
 async def _train_pipelined(model: TrainableModel, play: Play[T], tasks: Sequence[T], settings: ExampleSettings,
                            config: TrainConfig, result: LearningResult, console: Console) -> None:
     """``settings.steps`` GRPO steps through ``art_core.pipeline(max_off_policy=settings.max_off_policy)``.
@@ -485,17 +473,18 @@ async def _train_pipelined(model: TrainableModel, play: Play[T], tasks: Sequence
                   f"trains; each group trained at most {m} step(s) after the checkpoint that sampled it")
     with console.status(f"pipelined GRPO: step 1/{steps}, {settings.groups} x {settings.rollouts} rollouts "
                         "in flight...") as status:
-        def on_step(groups: Sequence[TrajectoryGroup], metrics: dict[str, Any], waited: float, trained: float) -> None:
-            stats = _step_stats(len(result.steps) + 1, groups, metrics, planned=len(groups),
-                                rollout_seconds=waited, train_seconds=trained)
+        def on_step(report: StepReport, groups: list[TrajectoryGroup]) -> None:
+            # as the synchronous loop counts them: the wait since the previous step ended, then the step
+            stats = _step_stats(len(result.steps) + 1, groups, report.metrics, planned=len(groups),
+                                rollout_seconds=report.seconds_wall - report.seconds_train,
+                                train_seconds=report.seconds_train)
             lost.lost += stats.groups_stale
             result.steps.append(stats)
             _print_step(console, stats, steps)
             status.update(f"pipelined GRPO: step {min(stats.step + 1, steps)}/{steps}...")
 
-        report = await pipeline(_SteppedModel(model, on_step), numbered(), play_one,  # type: ignore[arg-type]
-                                steps=steps, groups_per_step=settings.groups, max_off_policy=m,
-                                concurrency=settings.groups, config=config,
+        report = await pipeline(model, numbered(), play_one, steps=steps, groups_per_step=settings.groups,
+                                max_off_policy=m, concurrency=settings.groups, config=config, on_step=on_step,
                                 log=lambda line: console.print(_pipeline_line(line), markup=False,
                                                                highlight=False, soft_wrap=True))
     result.rollouts_failed = report.rollouts_failed
@@ -554,9 +543,44 @@ def _check_demonstrations(demos: int, demonstrate: Demonstrate[T] | None, demo_t
                           "draw the demonstration tasks apart from the held-out ones")
 
 
+def unique_turns(trajectories: Sequence[Trajectory]) -> list[Trajectory]:
+    """Each distinct conversation the trajectories hold (every history: a turn, for an agent that prompts afresh
+    each turn), as a trajectory of its own, in order of first appearance.
+
+    Two histories are the same when their recorded tokens are, or, unrecorded, their messages and tool schemas
+    (tool-call ids aside: they number the calls, and differ between equal turns): the same context answered the same way
+    (a scripted teacher is deterministic) teaches nothing a second time, and training it once leaves the time to
+    rarer positions. The copies keep their source's reward, metrics and metadata (``demonstration_of`` names it).
+    """
+    seen: set[str] = set()
+    turns = []
+    for trajectory in trajectories:
+        for history in trajectory.histories():
+            key = _turn_key(history)
+            if key in seen:
+                continue
+            seen.add(key)
+            turns.append(Trajectory(messages=history.messages, tools=history.tools, calls=history.calls,
+                                    reward=trajectory.reward, metrics=dict(trajectory.metrics),
+                                    metadata={**trajectory.metadata, "demonstration_of": trajectory.id}))
+    return turns
+
+
+def _turn_key(history: History) -> str:
+    """What makes two histories the same sample (see ``unique_turns``)."""
+    if history.calls:
+        return json.dumps([[c.prompt_token_ids, c.completion_token_ids] for c in history.calls])
+    messages = [m.model_dump(mode="json", exclude_none=True, exclude={"tool_call_id"}) for m in history.messages]
+    for message in messages:
+        for call in message.get("tool_calls") or []:
+            call.pop("id", None)
+    return json.dumps([messages, history.tools], sort_keys=True)
+
+
 async def _warm_start(model: TrainableModel, demonstrate: Demonstrate[T], tasks: Sequence[T], config: SFTConfig,
-                      result: LearningResult, console: Console) -> bool:
-    """Collect one demonstration per task, then one SFT step on those that succeeded; one progress line.
+                      result: LearningResult, console: Console, *, unique: bool = False) -> bool:
+    """Collect one demonstration per task, then one SFT step on those that succeeded (with ``unique``: on their
+    distinct turns, see ``unique_turns``); one progress line.
 
     Returns:
         Whether the SFT step ran (not when no demonstration succeeded).
@@ -572,11 +596,14 @@ async def _warm_start(model: TrainableModel, demonstrate: Demonstrate[T], tasks:
         console.print(f"sft: none of the {len(demonstrations)} demonstrations succeeded: no SFT step; "
                       "check the teacher", soft_wrap=True)
         return False
-    with console.status(f"sft: {config.epochs} epoch(s) on {len(good)} demonstrations..."):
-        metrics = await model.train_sft(good, config=config)
+    data = unique_turns(good) if unique else good
+    what = f"{len(data)} distinct turns of {len(good)} demonstrations" if unique else f"{len(good)} demonstrations"
+    with console.status(f"sft: {config.epochs} epoch(s) on {what}..."):
+        metrics = await model.train_sft(data, config=config)
     result.sft_loss = float(metrics["loss"])
     result.sft_seconds = time.perf_counter() - t0
-    console.print(f"sft     demos {len(demonstrations)} ({len(good)} succeeded, trained on)  "
+    trained_on = f"trained on their {len(data)} distinct turns" if unique else "trained on"
+    console.print(f"sft     demos {len(demonstrations)} ({len(good)} succeeded, {trained_on})  "
                   f"loss {metrics.get('loss_first', result.sft_loss):.3f} -> {metrics.get('loss_last', result.sft_loss):.3f}"
                   f"  epochs {config.epochs}  demos {t1 - t0:3.0f}s  train {time.perf_counter() - t1:3.0f}s",
                   soft_wrap=True)

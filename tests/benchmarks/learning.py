@@ -56,8 +56,16 @@ NEW_STYLE = re.compile(r"learning-.+-(rl|sft\d+)-seed\d+\.json")
 
 # -- recipes and files ---------------------------------------------------------------------------------
 
-def recipe_label(demos: int) -> str:
-    return "RL" if demos == 0 else f"SFT+RL ({demos} demos)"
+def recipe_label(demos: int, unique_turns: bool = False) -> str:
+    if demos == 0:
+        return "RL"
+    return f"SFT+RL ({demos} demos{', distinct turns' if unique_turns else ''})"
+
+
+def runs_label(demos: int, runs: list[Row]) -> str:
+    """The recipe as the stored runs name it (their own label says whether SFT trained distinct turns)."""
+    labels = sorted({str(r.get("recipe") or recipe_label(demos)) for r in runs})
+    return " / ".join(labels)
 
 
 def recipe_slug(demos: int) -> str:
@@ -108,7 +116,8 @@ def _run_here(name: str, seed: int, out: Path, overrides: dict[str, object]) -> 
     slug = recipe_slug(settings.demos)
     result = asyncio.run(module.run(settings, console=Console(soft_wrap=True),
                                     name=f"{name}-{slug}-seed{seed}-{int(time.time())}"))
-    row = {"example": name, "seed": seed, "recipe": recipe_label(settings.demos), **result.to_json(),
+    row = {"example": name, "seed": seed, "recipe": recipe_label(settings.demos, settings.sft_unique_turns),
+           **result.to_json(),
            "settings": {k: str(v) for k, v in dataclasses.asdict(settings).items()}}
     row_path(out, name, settings.demos, seed).write_text(json.dumps(row, indent=1))
 
@@ -196,7 +205,7 @@ def write_table(rows: dict[RecipeKey, list[Row]], out: Path) -> str:
         per_seed = ", ".join(f"{float(r['success_before']):.1%}→{float(r['success_after']):.1%}" for r in runs)
         minutes = [float(r["seconds"]) / 60 for r in runs]
         lines.append(
-            f"| {name} | {recipe_label(demos)} | {', '.join(str(r['seed']) for r in runs)} | "
+            f"| {name} | {runs_label(demos, runs)} | {', '.join(str(r['seed']) for r in runs)} | "
             f"{_distinct(runs, _shape)} | {_distinct(runs, _held_out_runs)} | "
             f"{_pct(before)} | {_pct(_mean(runs, 'success_after_sft') if demos else None)} | {_pct(after)} | "
             f"{((after or 0) - (before or 0)) * 100:+.1f} pts ({per_seed}) | "
@@ -249,7 +258,7 @@ def _panel(ax: Any, name: str, demos: int, runs: list[Row]) -> None:
     if demos:
         success.insert(1, _mean(runs, "success_after_sft"))
     held_out = "→".join("–" if v is None else f"{v:.0%}" for v in success)
-    ax.set_title(f"{name} {recipe_label(demos)}\nheld-out success {held_out}", fontsize=9)
+    ax.set_title(f"{name} {runs_label(demos, runs)}\nheld-out success {held_out}", fontsize=9)
     ax.set(xlabel="GRPO step", ylabel="training reward (mean)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -274,7 +283,7 @@ def summary(rows: dict[RecipeKey, list[Row]]) -> dict[str, object]:
         runs = recipes[demos]
         figures[f"{name}_before"] = round(_mean(runs, "success_before") or 0.0, 4)
         figures[f"{name}_after"] = round(_mean(runs, "success_after") or 0.0, 4)
-        figures[f"{name}_recipe"] = recipe_label(demos)
+        figures[f"{name}_recipe"] = runs_label(demos, runs)
         figures[f"{name}_seeds"] = len(runs)
         figures[f"{name}_before_per_seed"] = [round(float(r["success_before"]), 4) for r in runs]
         figures[f"{name}_after_per_seed"] = [round(float(r["success_after"]), 4) for r in runs]

@@ -294,6 +294,43 @@ async def test_tic_tac_toe_warm_starts_with_sft_on_the_experts_games(tiny_model_
             assert args["cell"] - 1 == best_move(board)
 
 
+async def test_tic_tac_toe_sft_on_unique_turns_trains_each_distinct_position_once(tiny_model_dir, tmp_path):
+    """``--demos 4 --sft-unique-turns``: the SFT step's data (on disk) is the games' distinct turns, one each."""
+    from examples import tic_tac_toe
+    from examples._common import parse_settings
+    from examples.tic_tac_toe.expert import best_move, parse_board
+
+    settings = parse_settings("tic-tac-toe", tiny(tiny_model_dir, tmp_path),
+                              ["--demos", "4", "--sft-unique-turns", "--sft-batch-size", "3", "--steps", "0"])
+    result = await tic_tac_toe.run(settings)
+    check_run(result, steps=0)
+    turns = _demonstrations(result).trajectories
+    boards = [next(m for m in t.messages if m.role == "user").text() for t in turns]
+    assert len(set(boards)) == len(boards) >= 3  # 4 games of 3+ moves each, none repeated
+    for turn, board in zip(turns, boards, strict=True):
+        assert turn.additional_histories == [] and turn.metadata["demonstration_of"]
+        assert json.loads(turn.messages[-1].tool_calls[0].function.arguments)["cell"] - 1 == best_move(parse_board(board))
+
+
+def test_unique_turns_splits_histories_and_drops_repeats_whatever_their_call_ids():
+    from art_core import History, Message, Trajectory
+    from examples._common import unique_turns
+
+    def turn(board: str, cell: int, call_id: str) -> list[Message]:
+        call = {"id": call_id, "type": "function", "function": {"name": "make_move", "arguments": f'{{"cell": {cell}}}'}}
+        return [Message(role="user", content=board), Message(role="assistant", tool_calls=[call])]
+
+    game_1 = Trajectory(messages=turn("empty", 5, "call_1"), reward=1.0,
+                        additional_histories=[History(messages=turn("O in 1", 5, "call_2"))])
+    game_2 = Trajectory(messages=turn("empty", 5, "call_3"), reward=1.0,  # the same opening, another call id
+                        additional_histories=[History(messages=turn("O in 1", 9, "call_4"))])  # another reply
+    turns = unique_turns([game_1, game_2])
+    assert [(t.messages[0].content, t.messages[1].tool_calls[0].id) for t in turns] == [
+        ("empty", "call_1"), ("O in 1", "call_2"), ("O in 1", "call_4")]
+    assert [t.metadata["demonstration_of"] for t in turns] == [game_1.id, game_1.id, game_2.id]
+    assert all(t.reward == 1.0 and not t.additional_histories for t in turns)
+
+
 async def test_game_2048(tiny_model_dir, tmp_path):
     from examples import game_2048
 
