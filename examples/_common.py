@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from rich.console import Console
 
 from art_core import (History, LocalBackend, SFTConfig, StepReport, TrainableModel, TrainConfig, Trajectory,
-                      TrajectoryGroup, TransformersOptions, pipeline)
+                      TrajectoryGroup, pipeline)
 from art_core.errors import ConfigError
 from art_core.models import EMBEDDED_MODEL
 from art_core.tracking import TRACKER_NAMES
@@ -189,11 +189,7 @@ def open_backend(settings: ExampleSettings) -> LocalBackend:
         ConfigError: an engine other than ``transformers`` was asked for and this ``LocalBackend`` cannot
             choose its engine.
     """
-    overlap: dict[str, Any] = {}
-    if settings.max_off_policy > 0:
-        overlap["pause_during_step"] = False
-        if settings.inference == "transformers":
-            overlap["transformers"] = TransformersOptions(separate_module=True)
+    overlap = LocalBackend.serving_during_steps(settings.inference) if settings.max_off_policy > 0 else {}
     if "inference" in inspect.signature(LocalBackend).parameters:
         return LocalBackend(path=settings.path, show_progress=False, inference=settings.inference,  # type: ignore[call-arg]
                             **overlap)

@@ -32,6 +32,8 @@ def test_the_shared_module_layout_is_refused_with_the_layout_that_works(tmp_path
     with pytest.raises(ConfigError, match="shared-module"):
         LocalBackend(path=tmp_path, device="cpu", pause_during_step=False)
     LocalBackend(path=tmp_path, pause_during_step=False, transformers=TransformersOptions(separate_module=True))
+    LocalBackend(path=tmp_path, **LocalBackend.serving_during_steps())  # the helper names that layout
+    assert LocalBackend.serving_during_steps("vllm") == {"pause_during_step": False}  # vLLM's weights are its own
 
 
 class DecodeGate:

@@ -50,7 +50,6 @@ from pathlib import Path
 from typing import Any
 
 from art_core import LocalBackend, TrainableModel, TrainConfig, TrajectoryGroup, pipeline
-from art_core.backends import TransformersOptions
 from art_core.demo import AdditionTask, addition_reward, held_out_success, make_tasks
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -88,9 +87,8 @@ def _backend(layout: str, bound: int, root: Path, cluster: Any) -> Any:
     if layout == "vllm":
         return LocalBackend(path=root, inference="vllm", show_progress=False, num_threads=1,
                             pause_during_step=not serve_during_steps)
-    options = TransformersOptions(separate_module=True) if serve_during_steps else None
-    return LocalBackend(path=root, show_progress=False, pause_during_step=not serve_during_steps,
-                        transformers=options)
+    return LocalBackend(path=root, show_progress=False,
+                        **(LocalBackend.serving_during_steps() if serve_during_steps else {}))
 
 
 async def run_arm(layout: str, bound: int, seed: int, args: argparse.Namespace, root: Path, cluster: Any,

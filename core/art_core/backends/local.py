@@ -186,6 +186,18 @@ class LocalBackend(ServesModels):
             GatewaySettings(**self._gateway_options)  # checked now: a bad host or limit fails before any load
         self._models: ModelTable[_Slot] = ModelTable(self.path, "LocalBackend")
 
+    @staticmethod
+    def serving_during_steps(inference: str = "transformers") -> dict[str, Any]:
+        """The keyword arguments that keep ``inference`` serving while a step trains (for ``pipeline``):
+        ``pause_during_step=False``, and for the transformers engine the separate-module layout (a second copy
+        of the base in memory: the engine must not decode the module a step changes, and the backend refuses to
+        choose that memory for you). ``LocalBackend(path=..., inference=..., **LocalBackend.serving_during_steps())``.
+        """
+        options: dict[str, Any] = {"pause_during_step": False}
+        if inference == "transformers":
+            options["transformers"] = TransformersOptions(separate_module=True)
+        return options
+
     def __repr__(self) -> str:
         return (f"LocalBackend(path={str(self.path)!r}, inference={self.inference!r}, trainer={self.trainer!r}, "
                 f"models={len(self._models.slots)})")

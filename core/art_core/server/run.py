@@ -105,12 +105,9 @@ class ServerSettings:
                                                 if v is not None and k in backend_options}
         self.pause_during_step = pause_during_step
         if not pause_during_step and backend == "local":
-            self.backend_options["pause_during_step"] = False
-            if (inference or backend_options["inference"]) == "transformers":
-                from ..backends._engines import TransformersOptions
+            from ..backends.local import LocalBackend
 
-                # The engine must not decode the module a step changes: it gets a copy of its own.
-                self.backend_options["transformers"] = TransformersOptions(separate_module=True)
+            self.backend_options.update(LocalBackend.serving_during_steps(inference or backend_options["inference"]))
 
 
 def _backend_options() -> dict[str, Any]:
