@@ -49,9 +49,9 @@ if TYPE_CHECKING:
 
     from ._expert import ScriptedExpert
 
-__all__ = ["Demonstrate", "ExampleSettings", "LearningResult", "StepStats", "demonstration_tasks", "evaluate",
-           "graph_demonstrations", "learn",
-           "open_backend", "parse_settings", "plot_curve", "sparkline"]
+__all__ = ["Demonstrate", "Evaluation", "ExampleSettings", "LearningResult", "StepStats", "demonstration_tasks",
+           "evaluate", "graph_demonstrations", "held_out_evaluation", "learn", "open_backend", "parse_settings",
+           "plot_curve", "sparkline", "unique_turns"]
 
 T = TypeVar("T")
 Play = Callable[[T, int, int], Awaitable[TrajectoryGroup]]
@@ -251,6 +251,9 @@ class LearningResult:
     """The GRPO steps' bound: 0, the synchronous loop; N > 0, pipelined (``art_core.pipeline``)."""
     rollouts_failed: int = 0
     """Pipelined: rollouts (whole groups) that raised or came back empty, each replaced while steps were left."""
+    held_out_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    """The held-out runs' metric means (``Evaluation.metrics``) by evaluation: ``before``, ``after_sft``,
+    ``after``."""
 
     @property
     def rewards(self) -> list[float]:
@@ -263,7 +266,8 @@ class LearningResult:
                 "model_dir": str(self.model_dir), "curve_png": str(self.curve_png), "demos": self.demos,
                 "demos_trained": self.demos_trained, "sft_loss": self.sft_loss,
                 "success_after_sft": self.success_after_sft, "sft_seconds": round(self.sft_seconds, 1),
-                "max_off_policy": self.max_off_policy, "rollouts_failed": self.rollouts_failed}
+                "max_off_policy": self.max_off_policy, "rollouts_failed": self.rollouts_failed,
+                "held_out_metrics": self.held_out_metrics}
 
 
 MAX_CONCURRENT_ROLLOUTS = 16
@@ -274,11 +278,20 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-async def evaluate(play: Play[T], tasks: Sequence[T], *, rollouts: int, seed: int) -> float:
-    """Held-out success rate: the share of ``len(tasks) x rollouts`` runs whose ``metrics["success"]`` is 1.
+@dataclass
+class Evaluation:
+    """One held-out evaluation."""
 
-    A rollout that failed (listed in ``group.exceptions``) counts as a failure.
-    """
+    success: float
+    """The share of ``tasks x rollouts`` runs whose ``metrics["success"]`` is 1 (a failed rollout counts as a
+    failure)."""
+    metrics: dict[str, float]
+    """The mean of each of the runs' own metrics (tic_tac_toe's ``invalid_move``: the share of games that ended
+    on one), over the runs that finished."""
+
+
+async def held_out_evaluation(play: Play[T], tasks: Sequence[T], *, rollouts: int, seed: int) -> Evaluation:
+    """``rollouts`` seeded runs of each held-out task: their success rate and their metrics' means."""
     # A few groups at a time: on a small CPU, one very large batch decodes slower per rollout than two halves.
     limit = asyncio.Semaphore(max(1, MAX_CONCURRENT_ROLLOUTS // rollouts))
 
@@ -287,8 +300,19 @@ async def evaluate(play: Play[T], tasks: Sequence[T], *, rollouts: int, seed: in
             return await play(task, rollouts, seed + 7919 * k)
 
     groups = await asyncio.gather(*(one(k, task) for k, task in enumerate(tasks)))
-    successes = sum(t.metrics.get("success", 0.0) >= 1.0 for g in groups for t in g.trajectories)
-    return successes / (len(tasks) * rollouts)
+    runs = [t for g in groups for t in g.trajectories]
+    successes = sum(t.metrics.get("success", 0.0) >= 1.0 for t in runs)
+    names = sorted({name for t in runs for name in t.metrics})
+    means = {name: _mean([float(t.metrics[name]) for t in runs if name in t.metrics]) for name in names}
+    return Evaluation(successes / (len(tasks) * rollouts), means)
+
+
+async def evaluate(play: Play[T], tasks: Sequence[T], *, rollouts: int, seed: int) -> float:
+    """Held-out success rate: the share of ``len(tasks) x rollouts`` runs whose ``metrics["success"]`` is 1.
+
+    A rollout that failed (listed in ``group.exceptions``) counts as a failure.
+    """
+    return (await held_out_evaluation(play, tasks, rollouts=rollouts, seed=seed)).success
 
 
 async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T], eval_tasks: Sequence[T],
@@ -339,10 +363,13 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
     runs = f"{len(eval_tasks)} tasks x {settings.eval_rollouts}"
     with console.status(f"held-out evaluation of the base model ({runs} runs)..."):
         t0 = time.perf_counter()
-        before = await evaluate(measure, eval_tasks, rollouts=settings.eval_rollouts, seed=settings.seed)
+        evaluation = await held_out_evaluation(measure, eval_tasks, rollouts=settings.eval_rollouts,
+                                               seed=settings.seed)
+        before = evaluation.success
     console.print(f"held-out success before training: [bold]{before:.1%}[/] ({runs} runs, "
                   f"{time.perf_counter() - t0:.0f}s)")
     result = LearningResult(title or model.name, before, before, model_dir=model.model_dir)
+    result.held_out_metrics["before"] = evaluation.metrics
     if demo_tasks:
         assert demonstrate is not None and sft_config is not None  # _check_demonstrations saw to both
         trained = await _warm_start(model, demonstrate, demo_tasks, sft_config, result, console,
@@ -350,8 +377,9 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
         if trained and settings.steps:  # with no GRPO step, the evaluation after training is this one
             with console.status(f"held-out evaluation after the SFT step ({runs} runs)..."):
                 t0 = time.perf_counter()
-                result.success_after_sft = await evaluate(measure, eval_tasks, rollouts=settings.eval_rollouts,
-                                                          seed=settings.seed)
+                evaluation = await held_out_evaluation(measure, eval_tasks, rollouts=settings.eval_rollouts,
+                                                       seed=settings.seed)
+            result.success_after_sft, result.held_out_metrics["after_sft"] = evaluation.success, evaluation.metrics
             console.print(f"held-out success after SFT: [bold]{result.success_after_sft:.1%}[/] "
                           f"({time.perf_counter() - t0:.0f}s)")
     result.max_off_policy = settings.max_off_policy
@@ -361,7 +389,8 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
         await _train_synchronously(model, play, train_tasks, settings, config, result, console)
     with console.status(f"held-out evaluation after {settings.steps} steps ({runs} runs)..."):
         t0 = time.perf_counter()
-        result.success_after = await evaluate(measure, eval_tasks, rollouts=settings.eval_rollouts, seed=settings.seed)
+        evaluation = await held_out_evaluation(measure, eval_tasks, rollouts=settings.eval_rollouts, seed=settings.seed)
+    result.success_after, result.held_out_metrics["after"] = evaluation.success, evaluation.metrics
     console.print(f"held-out success after training: [bold]{result.success_after:.1%}[/] "
                   f"({time.perf_counter() - t0:.0f}s)")
     if result.sft_loss is not None and result.success_after_sft is None:

@@ -142,7 +142,8 @@ def reward(trajectory: Trajectory, game: Game | None) -> float:
     moves = (game or {}).get("turn", 0)
     calls = moves + (outcome == "invalid")
     trajectory.metrics.update({"success": float(outcome == "win"), "moves": float(moves),
-                               "valid_tool_calls": moves / calls if calls else 0.0})
+                               "valid_tool_calls": moves / calls if calls else 0.0,
+                               "invalid_move": float(outcome == "invalid")})
     if outcome == "invalid":
         return _REWARDS["invalid"] + VALID_MOVE_CREDIT * moves
     return _REWARDS[outcome]

@@ -28,6 +28,7 @@ def check_run(result, steps: int = 1) -> None:
     assert list((result.model_dir / "trajectories").glob("*.jsonl")), "the step's trajectories were not written"
     saved = json.loads((result.model_dir / "learning_result.json").read_text())
     assert saved["success_after"] == result.success_after
+    assert {"before", "after"} <= set(saved["held_out_metrics"])  # the held-out runs' metric means
     assert result.curve_png is not None and result.curve_png.stat().st_size > 1000
 
 
@@ -271,6 +272,8 @@ async def test_tic_tac_toe(tiny_model_dir, tmp_path):
 
     result = await tic_tac_toe.run(tiny(tiny_model_dir, tmp_path))
     check_run(result)
+    for when in ("before", "after"):  # the share of held-out games that ended on an invalid move
+        assert 0.0 <= result.held_out_metrics[when]["invalid_move"] <= 1.0
 
 
 async def test_tic_tac_toe_warm_starts_with_sft_on_the_experts_games(tiny_model_dir, tmp_path):
