@@ -221,6 +221,42 @@ def _adamw_steps(trainer: GRPOTrainer) -> int:
     return int(counts.pop())
 
 
+def _moments(trainer: GRPOTrainer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each trainable parameter's AdamW momentum and second moment, copied."""
+    return [(trainer.optimizer.state[p]["exp_avg"].clone(), trainer.optimizer.state[p]["exp_avg_sq"].clone())
+            for p in trainer.params]
+
+
+def _weights(trainer: GRPOTrainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in trainer.params]
+
+
+def _gradient_momentum(trainer: GRPOTrainer, weights: list[torch.Tensor], group: TrajectoryGroup) -> list[torch.Tensor]:
+    """``0.1 x`` the gradient of a GRPO step on ``group`` from ``weights``: the momentum a fresh AdamW holds after
+    that one step (betas 0.9, 0.999), worked out on a fresh trainer of the same module; the weights are put back."""
+    now = _weights(trainer)
+    with torch.no_grad():
+        for param, weight in zip(trainer.params, weights, strict=True):
+            param.copy_(weight)
+    fresh = GRPOTrainer(trainer.model, trainer.tokenizer)
+    fresh.train_step([group], TrainConfig(learning_rate=1e-3))
+    momentum = [fresh.optimizer.state[p]["exp_avg"].clone() for p in fresh.params]
+    with torch.no_grad():
+        for param, weight in zip(trainer.params, now, strict=True):
+            param.copy_(weight)
+    return momentum
+
+
+def _check_one_update(trainer, before, weights, *, momentum_kept: bool) -> None:
+    """By hand, AdamW's moments after one GRPO step from ``weights`` with moments ``before``: ``m = 0.9 m0 + 0.1 g``
+    with ``m0`` the momentum before it, or zero where it was dropped; ``v`` at least ``0.999 v0`` (kept, not
+    started afresh)."""
+    expected = _gradient_momentum(trainer, weights, _ranked_group())
+    for (m0, v0), (m1, v1), fresh in zip(before, _moments(trainer), expected, strict=True):
+        torch.testing.assert_close(m1, (0.9 * m0 if momentum_kept else 0.0) + fresh, rtol=1e-4, atol=1e-12)
+        assert bool((v1 >= 0.999 * v0 * (1 - 1e-5)).all())
+
+
 def _ranked_group() -> TrajectoryGroup:
     """Two answers to one question with different rewards: a GRPO step has something to train."""
     return TrajectoryGroup([Trajectory.model_validate({"messages": [{"role": "user", "content": "2+3?"},
@@ -229,36 +265,42 @@ def _ranked_group() -> TrajectoryGroup:
                             for answer, reward in (("5", 1.0), ("6", 0.0))])
 
 
-def test_a_step_of_another_kind_starts_adamw_afresh(trainer, tmp_path):
-    """SFT's moments are not GRPO's: carried over, the demonstrations' momentum steered the GRPO steps after a
-    warm start. Each change of kind starts AdamW at step 0; steps of one kind go on counting, also across a
-    resume from a checkpoint of that kind (and not from one of the other kind)."""
+def test_a_step_of_another_kind_drops_the_momentum_and_keeps_the_second_moments(trainer, tmp_path):
+    """SFT's momentum is not GRPO's: carried over, it steered the GRPO steps after a warm start. At each change of
+    kind the momentum starts from zero; the second moments and the step count go on (a fresh AdamW's first step
+    would move every parameter by the full rate). Steps of one kind keep their momentum, also across a resume from
+    a checkpoint of that kind, and not from one of the other kind."""
     from art_core.training.checkpoints import write_checkpoint
 
     chats = TrajectoryGroup([_chat_trajectory(), _chat_trajectory()])
     trainer.train_step([chats], SFTConfig(batch_size=1, epochs=2, learning_rate=1e-3))
-    assert _adamw_steps(trainer) == 4
+    sft, sft_weights = _moments(trainer), _weights(trainer)
+    assert _adamw_steps(trainer) == 4 and any(m.abs().sum() > 0 for m, _ in sft)
+    sft_dir = write_checkpoint(tmp_path, 1, trainer.save, metadata={"kind": "sft"})
     trainer.train_step([_ranked_group()], TrainConfig(learning_rate=1e-3))
-    assert _adamw_steps(trainer) == 1  # afresh, not 5
+    assert _adamw_steps(trainer) == 5
+    _check_one_update(trainer, sft, sft_weights, momentum_kept=False)
+    grpo, grpo_weights = _moments(trainer), _weights(trainer)
+    grpo_dir = write_checkpoint(tmp_path, 2, trainer.save, metadata={"kind": "grpo"})
     trainer.train_step([_ranked_group()], TrainConfig(learning_rate=1e-3))
-    assert _adamw_steps(trainer) == 2
-    grpo_dir = write_checkpoint(tmp_path, 3, trainer.save, metadata={"kind": "grpo"})
-    trainer.train_step([chats], SFTConfig(batch_size=2, learning_rate=1e-3))
-    assert _adamw_steps(trainer) == 1
-    sft_dir = write_checkpoint(tmp_path, 4, trainer.save, metadata={"kind": "sft"})
+    _check_one_update(trainer, grpo, grpo_weights, momentum_kept=True)
 
-    for directory, kind, expected in ((grpo_dir, "grpo", 3), (sft_dir, "sft", 1)):
+    for directory, saved, weights, kept in ((grpo_dir, grpo, grpo_weights, True), (sft_dir, sft, sft_weights, False)):
+        with torch.no_grad():
+            for param, weight in zip(trainer.params, weights, strict=True):
+                param.copy_(weight)
         resumed = GRPOTrainer(trainer.model, trainer.tokenizer)
         assert resumed.load_optimizer_state(directory)
         resumed.train_step([_ranked_group()], TrainConfig(learning_rate=1e-3))
-        assert _adamw_steps(resumed) == expected, f"a GRPO step after a resume from a {kind} checkpoint"
+        _check_one_update(resumed, saved, weights, momentum_kept=kept)
 
 
 def test_a_failed_pass_of_another_kind_puts_the_old_moments_back(trainer):
-    """An SFT pass after GRPO steps starts its own AdamW; if it fails, the GRPO moments are back, and the next
-    GRPO step continues them."""
+    """An SFT pass after GRPO steps drops the momentum; if it fails, the GRPO moments are back, and the next GRPO
+    step continues them."""
     for _ in range(2):
         trainer.train_step([_ranked_group()], TrainConfig(learning_rate=1e-3))
+    grpo, weights = _moments(trainer), _weights(trainer)
 
     def interrupt(done: int, total: int) -> None:
         if done == 2:
@@ -268,5 +310,7 @@ def test_a_failed_pass_of_another_kind_puts_the_old_moments_back(trainer):
     with pytest.raises(KeyboardInterrupt):
         trainer.train_step([chats], SFTConfig(batch_size=1, learning_rate=1e-3), progress=interrupt)
     assert _adamw_steps(trainer) == 2
+    assert all(torch.equal(m, m_back) and torch.equal(v, v_back)
+               for (m, v), (m_back, v_back) in zip(grpo, _moments(trainer), strict=True))
     trainer.train_step([_ranked_group()], TrainConfig(learning_rate=1e-3))
-    assert _adamw_steps(trainer) == 3
+    _check_one_update(trainer, grpo, weights, momentum_kept=True)
