@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from ._expert import ScriptedExpert
 
 __all__ = ["Demonstrate", "Evaluation", "ExampleSettings", "LearningResult", "StepStats", "demonstration_tasks",
-           "evaluate", "graph_demonstrations", "held_out_evaluation", "learn", "open_backend", "parse_settings",
+           "graph_demonstrations", "held_out_evaluation", "learn", "open_backend", "parse_settings",
            "plot_curve", "sparkline", "unique_turns"]
 
 T = TypeVar("T")
@@ -307,14 +307,6 @@ async def held_out_evaluation(play: Play[T], tasks: Sequence[T], *, rollouts: in
     return Evaluation(successes / (len(tasks) * rollouts), means)
 
 
-async def evaluate(play: Play[T], tasks: Sequence[T], *, rollouts: int, seed: int) -> float:
-    """Held-out success rate: the share of ``len(tasks) x rollouts`` runs whose ``metrics["success"]`` is 1.
-
-    A rollout that failed (listed in ``group.exceptions``) counts as a failure.
-    """
-    return (await held_out_evaluation(play, tasks, rollouts=rollouts, seed=seed)).success
-
-
 async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T], eval_tasks: Sequence[T],
                 settings: ExampleSettings, measure: Play[T] | None = None, config: TrainConfig | None = None,
                 console: Console | None = None, title: str = "", demonstrate: Demonstrate[T] | None = None,
@@ -389,7 +381,8 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
         await _train_synchronously(model, play, train_tasks, settings, config, result, console)
     with console.status(f"held-out evaluation after {settings.steps} steps ({runs} runs)..."):
         t0 = time.perf_counter()
-        evaluation = await held_out_evaluation(measure, eval_tasks, rollouts=settings.eval_rollouts, seed=settings.seed)
+        evaluation = await held_out_evaluation(measure, eval_tasks, rollouts=settings.eval_rollouts,
+                                               seed=settings.seed)
     result.success_after, result.held_out_metrics["after"] = evaluation.success, evaluation.metrics
     console.print(f"held-out success after training: [bold]{result.success_after:.1%}[/] "
                   f"({time.perf_counter() - t0:.0f}s)")
@@ -573,9 +566,10 @@ def unique_turns(trajectories: Sequence[Trajectory]) -> list[Trajectory]:
     each turn), as a trajectory of its own, in order of first appearance.
 
     Two histories are the same when their recorded tokens are, or, unrecorded, their messages and tool schemas
-    (tool-call ids aside: they number the calls, and differ between equal turns): the same context answered the same way
-    (a scripted teacher is deterministic) teaches nothing a second time, and training it once leaves the time to
-    rarer positions. The copies keep their source's reward, metrics and metadata (``demonstration_of`` names it).
+    (tool-call ids aside: they number the calls, and differ between equal turns): the same context answered the
+    same way (a scripted teacher is deterministic) teaches nothing a second time, and training it once leaves the
+    time to rarer positions. The copies keep their source's reward, metrics and metadata (``demonstration_of``
+    names it).
     """
     seen: set[str] = set()
     turns = []
