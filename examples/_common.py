@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from ._expert import ScriptedExpert
 
 __all__ = ["Demonstrate", "Evaluation", "ExampleSettings", "LearningResult", "StepStats", "demonstration_tasks",
-           "graph_demonstrations", "held_out_evaluation", "learn", "open_backend", "parse_settings",
+           "graph_at", "graph_demonstrations", "held_out_evaluation", "learn", "open_backend", "parse_settings",
            "plot_curve", "sparkline", "unique_turns"]
 
 T = TypeVar("T")
@@ -527,6 +527,34 @@ def demonstration_tasks(make_tasks: Callable[..., Sequence[T]], n: int, *, seed:
                         held_out: Sequence[T]) -> list[T]:
     """``n`` tasks for demonstrations from ``make_tasks(count, seed=seed)``, none of them a held-out task."""
     return [t for t in make_tasks(2 * n + len(held_out), seed=seed) if t not in held_out][:n]
+
+
+def graph_at(build_graph: Callable[..., Any], model: TrainableModel, model_name: str, *, temperature: float,
+             reward: Callable[..., float], recursion_limit: int,
+             timeout: float = 600) -> tuple[TrainableGraph, Play[Any]]:
+    """An example's graph sampling at ``temperature``, made trainable, and its ``play(task, n, seed)``.
+
+    The games train at 1.0 (GRPO needs varied runs to compare) and are measured at a lower temperature, near the
+    policy's most likely moves: one ``graph_at`` each.
+
+    Args:
+        build_graph: the example's ``build_graph(temperature=...)``.
+        model: the trainable model; the graph's ``model_name`` calls are routed to it.
+        model_name: the model name the graph's chat model asks for.
+        temperature: the graph's sampling temperature.
+        reward: the reward function of every run (``fn(trajectory, final_state) -> float``).
+        recursion_limit: LangGraph's step limit for one run.
+        timeout: seconds one run may take.
+    """
+    from art_plugins.langgraph import trainable
+
+    graph = trainable(build_graph(temperature=temperature), model, model_names=[model_name],
+                      recursion_limit=recursion_limit, timeout=timeout)
+
+    async def play(task: Any, n: int, seed: int) -> TrajectoryGroup:
+        return await graph.group(dict(task), n=n, reward=reward, seed=seed)
+
+    return graph, play
 
 
 def graph_demonstrations(agent: TrainableGraph, expert: Callable[[], ScriptedExpert],

@@ -25,8 +25,14 @@ __all__ = ["MODEL_NAME", "SupportAnswer", "SupportTask", "build_agent", "make_ta
 MODEL_NAME = "support"
 
 INVOICES = {f"INV-{1000 + k}": f"${(k * 37) % 400 + 20}.{(k * 13) % 100:02d}" for k in range(60)}
-SERVICES = {"email": "degraded", "billing portal": "operational", "login": "down", "storage": "operational",
-            "search": "degraded", "video calls": "down", "calendar": "operational", "chat": "down"}
+_STATUSES = ("operational", "degraded", "down")
+# As many services as a warm start's demonstrations cover invoices, so that the technical desk's distinct turns
+# weigh about as much as the billing desk's (with 8 services, 64 demonstrations held 8 distinct technical questions
+# against 28 invoices, and the model sent half the service questions to Billing).
+SERVICES = {service: _STATUSES[k % 3] for k, service in enumerate((
+    "email", "billing portal", "login", "storage", "search", "video calls", "calendar", "chat", "file sharing",
+    "payments", "notifications", "mobile app", "backups", "reports", "printing", "wifi", "vpn", "phone lines",
+    "website", "api", "sync", "uploads", "dashboard", "single sign-on"))}
 
 
 class SupportAnswer(BaseModel):

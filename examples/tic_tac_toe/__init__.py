@@ -8,14 +8,12 @@ hosted model.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from rich.console import Console
 
-from art_core import TrainableModel, TrajectoryGroup
-from art_plugins.langgraph import trainable
+from art_core import TrainableModel
 
-from .._common import (ExampleSettings, LearningResult, demonstration_tasks, graph_demonstrations, learn,
+from .._common import (ExampleSettings, LearningResult, demonstration_tasks, graph_at, graph_demonstrations, learn,
                        open_backend, parse_settings)
 from .agent import MODEL_NAME, build_graph, make_tasks, reward
 from .expert import tic_tac_toe_expert
@@ -42,18 +40,10 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
                            base_model=settings.base_model, report_to=list(settings.report_to))
     async with open_backend(settings) as backend:
         await model.register(backend)
-        def games_at(temperature: float) -> tuple[Any, Any]:
-            """The trainable graph sampling at ``temperature``, and its ``play(game, n, seed)``."""
-            graph = trainable(build_graph(temperature=temperature), model, model_names=[MODEL_NAME],
-                              recursion_limit=12, timeout=600)
-
-            async def play(game: dict[str, Any], n: int, seed: int) -> TrajectoryGroup:
-                return await graph.group(dict(game), n=n, reward=reward, seed=seed)
-
-            return graph, play
-
-        agent, play = games_at(1.0)
-        _, measure = games_at(EVAL_TEMPERATURE)
+        agent, play = graph_at(build_graph, model, MODEL_NAME, temperature=1.0, reward=reward,
+                               recursion_limit=12)
+        _, measure = graph_at(build_graph, model, MODEL_NAME, temperature=EVAL_TEMPERATURE, reward=reward,
+                              recursion_limit=12)
 
         # The same graph; its moves are the expert's instead of the trainable model's, each recorded.
         demonstrate = graph_demonstrations(agent, tic_tac_toe_expert, dict, lambda game: reward)
