@@ -1,7 +1,7 @@
 """The agent: a LangGraph loop in which the model plays 2048 on a 3x3 board through a ``move`` tool.
 
 Each turn must be a call (``tool_choice="required"``: the reply is a well-formed call, the direction the
-model's choice). The board and the target are small (3x3, reach 16 within 10 moves) so that a game fits a CPU. The graph
+model's choice). Under the board, the prompt lists what each move would do (tiles merged, or no change). The board and the target are small (3x3, reach 16 within 10 moves) so that a game fits a CPU. The graph
 alternates ``player`` (the chat model sees the board and calls ``move(direction)``) and ``game`` (plain
 Python: slides and merges, adds a 2 (or a 4) in a random empty cell, decides whether the game is over).
 
@@ -23,14 +23,15 @@ from langgraph.graph import END, START, StateGraph
 
 from art_core import Trajectory
 
-__all__ = ["MODEL_NAME", "SIZE", "TARGET", "build_graph", "make_tasks", "reward", "slide"]
+__all__ = ["MODEL_NAME", "SIZE", "TARGET", "build_graph", "make_tasks", "preview", "reward", "slide"]
 
 MODEL_NAME = "game-2048"
 SIZE = 3
 TARGET = 16
 MAX_MOVES = 10
 SYSTEM = (f"You play 2048 on a {SIZE}x{SIZE} board. Call move with direction left, right, up or down. Tiles "
-          f"slide that way and equal tiles merge. Reach a {TARGET} tile.")
+          f"slide that way and equal tiles merge. Reach a {TARGET} tile. Under the board, each move says how many "
+          "tiles it merges or that it changes nothing.")
 _DIRECTIONS = ("left", "right", "up", "down")
 
 
@@ -83,13 +84,31 @@ def render(board: list[list[int]]) -> str:
     return "\n".join(" ".join(f"{t or '.':>3}" for t in row) for row in board)
 
 
+def preview(board: list[list[int]]) -> str:
+    """What each move would do, as the player's prompt lists it: how many tiles it merges, or that it changes
+    nothing (``left: merges 1``, ``down: no change``).
+
+    The player reads this instead of simulating the slides: SmolLM2-135M does not (after SFT on 32 expectimax
+    games with the board alone, 1 of 16 held-out games reached 16 at temperature 0.3: a move that changes nothing
+    repeats on the unchanged board until the game's moves run out). Picking the move with the most merges wins
+    62% of the example's games, a random move that changes the board 24%, a random move 12%.
+    """
+    tiles = sum(1 for row in board for t in row if t)
+    lines = []
+    for direction in _DIRECTIONS:
+        moved = slide(board, direction)
+        merged = tiles - sum(1 for row in moved for t in row if t)
+        lines.append(f"{direction}: {'no change' if moved == board else f'merges {merged}'}")
+    return "\n".join(lines)
+
+
 def build_graph(*, base_url: str = "http://127.0.0.1:9/v1", temperature: float = 1.0, max_tokens: int = 48) -> Any:
     """The compiled game loop (``player`` <-> ``game``)."""
     llm = ChatOpenAI(model=MODEL_NAME, base_url=base_url, api_key="unused", temperature=temperature,
                      max_tokens=max_tokens).bind_tools([move], tool_choice="required")
 
     async def player(game: Game) -> Game:
-        prompt = f"Board:\n{render(game['board'])}\nYour move?"
+        prompt = f"Board:\n{render(game['board'])}\n{preview(game['board'])}\nYour move?"
         return {"last_reply": await llm.ainvoke([SystemMessage(SYSTEM), HumanMessage(prompt)])}
 
     def play(game: Game) -> Game:

@@ -376,6 +376,15 @@ def test_2048_slides_and_merges_once():
     assert slide([[2, 0, 0], [2, 0, 0], [4, 0, 0]], "down") == [[0, 0, 0], [4, 0, 0], [4, 0, 0]]
 
 
+def test_2048_prompt_previews_each_move_and_the_expert_still_reads_the_board():
+    from examples.game_2048.agent import preview, render
+    from examples.game_2048.expert import parse_board
+
+    board = [[2, 2, 4], [0, 0, 0], [0, 0, 0]]
+    assert preview(board) == "left: merges 1\nright: merges 1\nup: no change\ndown: merges 0"
+    assert parse_board(f"Board:\n{render(board)}\n{preview(board)}\nYour move?") == board
+
+
 def test_tic_tac_toe_rewards_follow_the_outcome():
     from art_core import Trajectory
     from examples.tic_tac_toe.agent import reward, winner
