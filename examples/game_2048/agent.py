@@ -2,8 +2,9 @@
 
 Each turn must be a call (``tool_choice="required"``: the reply is a well-formed call, the direction the
 model's choice). Under the board, the prompt lists what each move would do (tiles merged, or no change). The board
-and the target are small (3x3, reach 16 within 10 moves) so that a game fits a CPU. The graph alternates ``player`` (the chat model sees the board and calls ``move(direction)``) and ``game`` (plain
-Python: slides and merges, adds a 2 (or a 4) in a random empty cell, decides whether the game is over).
+and the target are small (3x3, reach 16 within 10 moves) so that a game fits a CPU. The graph alternates
+``player`` (the chat model sees the board and calls ``move(direction)``) and ``game`` (plain Python: slides and
+merges, adds a 2 (or a 4) in a random empty cell, decides whether the game is over).
 
 Reward: 1 for reaching the target; otherwise the progress log2(largest tile) / log2(target), in [0.2, 0.8];
 an invalid move (no call, a malformed call, an unknown direction) ends the game at -1. A move that changes
