@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from rich.console import Console
 
@@ -44,14 +45,16 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
     async with open_backend(settings) as backend:
         await model.register(backend)
         runner = TrainableRunner(model, model_names=[MODEL_NAME], timeout=600)
-        agent, held_out_agent = build_agent(), build_agent(temperature=EVAL_TEMPERATURE)
+        agent = build_agent()
 
-        async def play(task: SupportTask, n: int, seed: int) -> TrajectoryGroup:
-            return await runner.group(agent, task.message, n=n, reward=reward(task), max_turns=6, seed=seed)
+        def runs_of(desk: Any) -> Any:
+            """``play(task, n, seed)``: ``n`` scored runs of the desk ``desk`` on a task."""
+            async def play(task: SupportTask, n: int, seed: int) -> TrajectoryGroup:
+                return await runner.group(desk, task.message, n=n, reward=reward(task), max_turns=6, seed=seed)
 
-        async def measure(task: SupportTask, n: int, seed: int) -> TrajectoryGroup:
-            return await runner.group(held_out_agent, task.message, n=n, reward=reward(task), max_turns=6,
-                                      seed=seed)
+            return play
+
+        play, measure = runs_of(agent), runs_of(build_agent(temperature=EVAL_TEMPERATURE))
 
         async def demonstrate(tasks: Sequence[SupportTask]) -> list[Trajectory]:
             # The same agents; their calls answered by the expert instead of the trainable model, each run recorded.
