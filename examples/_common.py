@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from rich.console import Console
 
 from art_core import (History, LocalBackend, SFTConfig, StepReport, TrainableModel, TrainConfig, Trajectory,
-                      TrajectoryGroup, pipeline)
+                      TrajectoryGroup, pipeline, write_groups_jsonl)
 from art_core.errors import ConfigError
 from art_core.models import EMBEDDED_MODEL
 from art_core.tracking import TRACKER_NAMES
@@ -288,6 +288,8 @@ class Evaluation:
     metrics: dict[str, float]
     """The mean of each of the runs' own metrics (tic_tac_toe's ``invalid_move``: the share of games that ended
     on one), over the runs that finished."""
+    groups: list[TrajectoryGroup] = field(default_factory=list)
+    """The runs themselves, a group per task."""
 
 
 async def held_out_evaluation(play: Play[T], tasks: Sequence[T], *, rollouts: int, seed: int) -> Evaluation:
@@ -304,7 +306,21 @@ async def held_out_evaluation(play: Play[T], tasks: Sequence[T], *, rollouts: in
     successes = sum(t.metrics.get("success", 0.0) >= 1.0 for t in runs)
     names = sorted({name for t in runs for name in t.metrics})
     means = {name: _mean([float(t.metrics[name]) for t in runs if name in t.metrics]) for name in names}
-    return Evaluation(successes / (len(tasks) * rollouts), means)
+    return Evaluation(successes / (len(tasks) * rollouts), means, list(groups))
+
+
+async def _evaluate(model: TrainableModel, measure: Play[T], tasks: Sequence[T], settings: ExampleSettings,
+                    console: Console, label: str, what: str) -> Evaluation:
+    """One held-out evaluation with progress, its runs written to ``evaluations/<label>.jsonl`` in the model's
+    folder (beside the training steps' ``trajectories/``), so a figure can be traced back to the runs behind it."""
+    runs = f"{len(tasks)} tasks x {settings.eval_rollouts} runs"
+    with console.status(f"held-out evaluation {what} ({runs})..."):
+        t0 = time.perf_counter()
+        evaluation = await held_out_evaluation(measure, tasks, rollouts=settings.eval_rollouts, seed=settings.seed)
+    write_groups_jsonl(model.model_dir / "evaluations" / f"{label}.jsonl", evaluation.groups)
+    console.print(f"held-out success {what}: [bold]{evaluation.success:.1%}[/] ({runs}, "
+                  f"{time.perf_counter() - t0:.0f}s)")
+    return evaluation
 
 
 async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T], eval_tasks: Sequence[T],
@@ -352,14 +368,8 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
                                              batch_size=settings.sft_batch_size)
     measure = measure or play
     started = time.perf_counter()
-    runs = f"{len(eval_tasks)} tasks x {settings.eval_rollouts}"
-    with console.status(f"held-out evaluation of the base model ({runs} runs)..."):
-        t0 = time.perf_counter()
-        evaluation = await held_out_evaluation(measure, eval_tasks, rollouts=settings.eval_rollouts,
-                                               seed=settings.seed)
-        before = evaluation.success
-    console.print(f"held-out success before training: [bold]{before:.1%}[/] ({runs} runs, "
-                  f"{time.perf_counter() - t0:.0f}s)")
+    evaluation = await _evaluate(model, measure, eval_tasks, settings, console, "before", "before training")
+    before = evaluation.success
     result = LearningResult(title or model.name, before, before, model_dir=model.model_dir)
     result.held_out_metrics["before"] = evaluation.metrics
     if demo_tasks:
@@ -367,25 +377,15 @@ async def learn(model: TrainableModel, play: Play[T], *, train_tasks: Sequence[T
         trained = await _warm_start(model, demonstrate, demo_tasks, sft_config, result, console,
                                     unique=settings.sft_unique_turns)
         if trained and settings.steps:  # with no GRPO step, the evaluation after training is this one
-            with console.status(f"held-out evaluation after the SFT step ({runs} runs)..."):
-                t0 = time.perf_counter()
-                evaluation = await held_out_evaluation(measure, eval_tasks, rollouts=settings.eval_rollouts,
-                                                       seed=settings.seed)
+            evaluation = await _evaluate(model, measure, eval_tasks, settings, console, "after_sft", "after SFT")
             result.success_after_sft, result.held_out_metrics["after_sft"] = evaluation.success, evaluation.metrics
-            console.print(f"held-out success after SFT: [bold]{result.success_after_sft:.1%}[/] "
-                          f"({time.perf_counter() - t0:.0f}s)")
     result.max_off_policy = settings.max_off_policy
     if settings.max_off_policy > 0 and settings.steps:
         await _train_pipelined(model, play, train_tasks[:needed], settings, config, result, console)
     else:
         await _train_synchronously(model, play, train_tasks, settings, config, result, console)
-    with console.status(f"held-out evaluation after {settings.steps} steps ({runs} runs)..."):
-        t0 = time.perf_counter()
-        evaluation = await held_out_evaluation(measure, eval_tasks, rollouts=settings.eval_rollouts,
-                                               seed=settings.seed)
+    evaluation = await _evaluate(model, measure, eval_tasks, settings, console, "after", "after training")
     result.success_after, result.held_out_metrics["after"] = evaluation.success, evaluation.metrics
-    console.print(f"held-out success after training: [bold]{result.success_after:.1%}[/] "
-                  f"({time.perf_counter() - t0:.0f}s)")
     if result.sft_loss is not None and result.success_after_sft is None:
         result.success_after_sft = result.success_after
     result.seconds = time.perf_counter() - started
@@ -723,5 +723,6 @@ def _summary(result: LearningResult, console: Console) -> None:
     if result.model_dir is not None:
         console.print(f"checkpoints:   {result.model_dir / 'checkpoints'}")
         console.print(f"trajectories:  {result.model_dir / 'trajectories'}  (one JSONL file per step)")
+        console.print(f"held-out runs: {result.model_dir / 'evaluations'}  (one JSONL file per evaluation)")
     if result.curve_png is not None:
         console.print(f"learning curve: {result.curve_png}")

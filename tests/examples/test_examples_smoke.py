@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from art_core import read_groups_jsonl
 from examples._common import ExampleSettings, sparkline
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -29,6 +30,13 @@ def check_run(result, steps: int = 1) -> None:
     saved = json.loads((result.model_dir / "learning_result.json").read_text())
     assert saved["success_after"] == result.success_after
     assert {"before", "after"} <= set(saved["held_out_metrics"])  # the held-out runs' metric means
+    for evaluation in ("before", "after"):  # and the runs behind them, on disk
+        groups = read_groups_jsonl(result.model_dir / "evaluations" / f"{evaluation}.jsonl")
+        runs = [t for g in groups for t in g.trajectories]
+        assert runs and all(t.messages for t in runs)
+        won = sum(t.metrics.get("success", 0.0) >= 1.0 for t in runs)
+        tried = sum(len(g.trajectories) + len(g.exceptions) for g in groups)  # a failed run counts as lost
+        assert won / tried == pytest.approx(saved[f"success_{evaluation}"])
     assert result.curve_png is not None and result.curve_png.stat().st_size > 1000
 
 
@@ -39,8 +47,6 @@ def _history(result) -> list[dict]:
 
 def _demonstrations(result):
     """The one group of step 1's trajectories: the warm start's demonstrations."""
-    from art_core import read_groups_jsonl
-
     (group,) = read_groups_jsonl(result.model_dir / "trajectories" / "0001.jsonl")
     return group
 
