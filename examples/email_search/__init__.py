@@ -15,6 +15,7 @@ answered by a scripted expert (``expert.py``) that stands in for a strong hosted
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from rich.console import Console
 
@@ -29,10 +30,17 @@ from .agent import MAX_TURNS, MODEL_NAME, build_graph, reward, task_input
 from .expert import email_expert
 from .mailbox import Mailbox, Question
 
-__all__ = ["DEFAULTS", "RUBRIC", "demonstration_questions", "main", "run", "split_questions"]
+__all__ = ["DEFAULTS", "EVAL_TEMPERATURE", "RUBRIC", "demonstration_questions", "main", "run", "split_questions"]
 
-DEFAULTS = ExampleSettings(steps=8, groups=2, rollouts=6, held_out=16, eval_rollouts=2, learning_rate=2e-3)
-"""Sized for 2 CPU cores: a run is 3-4 model calls; about 1.5-2 minutes per step on the embedded model."""
+DEFAULTS = ExampleSettings(steps=2, groups=2, rollouts=6, held_out=16, eval_rollouts=1, learning_rate=1e-4,
+                           demos=24, sft_unique_turns=True, sft_batch_size=8)
+"""For 2 CPU cores (a run is 3-4 model calls): SFT on 24 of the expert's runs (about 5 minutes), then 2 GRPO steps
+(about 2 minutes each) at the rate the other warm-started examples use (1e-3 undid their warm starts). The SFT
+step alone took the held-out success from 0% to 75% in a probe (seed 0). ``--demos 0 --learning-rate 1e-3``: RL
+alone."""
+
+EVAL_TEMPERATURE = 0.3
+"""Held-out runs sample near the policy's most likely calls; training samples at 1.0, so a group's runs differ."""
 
 RUBRIC = ("The agent must answer a question about the user's inbox with a short answer and the id of the email "
           "that contains it. A correct answer that cites the email it came from is best; an answer without the "
@@ -82,22 +90,27 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
     async with open_backend(settings) as backend:
         await model.register(backend)
         # The graph names its model "email-agent"; trainable() routes those calls to the trainable model.
-        agent = trainable(build_graph(mailbox), model, model_names=[MODEL_NAME], recursion_limit=2 * MAX_TURNS + 2,
-                          timeout=600)
+        def runs_of(graph: Any) -> Any:
+            agent = trainable(graph, model, model_names=[MODEL_NAME], recursion_limit=2 * MAX_TURNS + 2, timeout=600)
 
-        async def measure(question: Question, n: int, seed: int) -> TrajectoryGroup:
-            return await agent.group(task_input(question), n=n, reward=reward(question), seed=seed)
+            async def play(question: Question, n: int, seed: int) -> TrajectoryGroup:
+                return await agent.group(task_input(question), n=n, reward=reward(question), seed=seed)
+
+            return agent, play
+
+        agent, training_play = runs_of(build_graph(mailbox))
+        _, measure = runs_of(build_graph(mailbox, temperature=EVAL_TEMPERATURE))
 
         async with judge_endpoint(settings) as judge:
             async def judged(question: Question, n: int, seed: int) -> TrajectoryGroup:
-                group = await measure(question, n, seed)
+                group = await training_play(question, n, seed)
                 scored = await ruler_score_group(group, rubric=RUBRIC, seed=seed, swallow_exceptions=True, **judge)
                 return scored if scored is not None else group  # a failed judge call keeps the hand reward
 
             # The same graph; its calls answered by the expert instead of the trainable model, each recorded.
             demonstrate = graph_demonstrations(agent, lambda: email_expert(mailbox), task_input, reward)
 
-            play = judged if settings.judge else measure
+            play = judged if settings.judge else training_play
             source = f"RULER (judge {settings.judge!r})" if settings.judge else "the hand-written reward"
             console.print(f"[bold]email_search[/]: a LangGraph email agent on {settings.base_model}, "
                           f"{mailbox.size} emails, trained on {source}; "
