@@ -1,14 +1,16 @@
 """The agent: a LangGraph loop in which the model plays 2048 on a 3x3 board through a ``move`` tool.
 
 Each turn must be a call (``tool_choice="required"``: the reply is a well-formed call, the direction the
-model's choice). Under the board, the prompt lists what each move would do (tiles merged, or no change). The board
+model's choice), and the ``move`` tool of each turn offers only the directions that change the board, as a game
+app greys out the moves it would refuse (``move_schema``). Under the board, the prompt lists what each offered move
+would do (how many tiles it merges). The board
 and the target are small (3x3, reach 16 within 10 moves) so that a game fits a CPU. The graph alternates
 ``player`` (the chat model sees the board and calls ``move(direction)``) and ``game`` (plain Python: slides and
 merges, adds a 2 (or a 4) in a random empty cell, decides whether the game is over).
 
 Reward: 1 for reaching the target; otherwise the progress log2(largest tile) / log2(target), in [0.2, 0.8];
-an invalid move (no call, a malformed call, an unknown direction) ends the game at -1. A move that changes
-nothing is legal but wasted. Success (held-out): reaching the target.
+an invalid move (no call, a malformed call, a direction not offered) ends the game at -1. Success (held-out):
+reaching the target.
 """
 
 from __future__ import annotations
@@ -19,27 +21,41 @@ from typing import Any, Literal, TypedDict
 
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_core.tools import tool
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_openai import ChatOpenAI
 from langgraph.graph import END, START, StateGraph
 
 from art_core import Trajectory
 
-__all__ = ["MODEL_NAME", "SIZE", "TARGET", "build_graph", "make_tasks", "preview", "reward", "slide"]
+__all__ = ["MODEL_NAME", "SIZE", "TARGET", "build_graph", "make_tasks", "move_schema", "moves_that_change", "preview",
+           "reward", "slide"]
 
 MODEL_NAME = "game-2048"
 SIZE = 3
 TARGET = 16
 MAX_MOVES = 10
-SYSTEM = (f"You play 2048 on a {SIZE}x{SIZE} board. Call move with direction left, right, up or down. Tiles "
+SYSTEM = (f"You play 2048 on a {SIZE}x{SIZE} board. Call move with one of the directions it offers. Tiles "
           f"slide that way and equal tiles merge. Reach a {TARGET} tile. Under the board, each move says how many "
-          "tiles it merges or that it changes nothing.")
+          "tiles it merges.")
 _DIRECTIONS = ("left", "right", "up", "down")
 
 
 @tool
 def move(direction: Literal["left", "right", "up", "down"]) -> str:
-    """Slide every tile left, right, up or down."""
-    return f"moved {direction}"  # the game node plays it; this is the schema the model sees
+    """Slide every tile that way."""
+    return f"moved {direction}"  # the game node plays it; ``move_schema`` narrows it to each turn's choices
+
+
+def move_schema(board: list[list[int]]) -> dict[str, Any]:
+    """The ``move`` tool as the player sees it on ``board``: its ``direction`` one of ``moves_that_change(board)``.
+
+    Offering only those is for the small model: SmolLM2-135M, after SFT on expectimax games, still picked moves
+    that change nothing, and at a low temperature repeated them on the unchanged board until the game's moves ran
+    out (probed: 2 of 16 held-out games won). The server's constrained decoding keeps the reply to the enum.
+    """
+    schema = convert_to_openai_tool(move)
+    schema["function"]["parameters"]["properties"]["direction"]["enum"] = moves_that_change(board)
+    return schema
 
 
 class Game(TypedDict, total=False):
@@ -85,46 +101,47 @@ def render(board: list[list[int]]) -> str:
     return "\n".join(" ".join(f"{t or '.':>3}" for t in row) for row in board)
 
 
+def moves_that_change(board: list[list[int]]) -> list[str]:
+    """The directions whose slide changes ``board`` (empty: the game is stuck)."""
+    return [d for d in _DIRECTIONS if slide(board, d) != board]
+
+
 def preview(board: list[list[int]]) -> str:
-    """What each move would do, as the player's prompt lists it: how many tiles it merges, or that it changes
-    nothing (``left: merges 1``, ``down: no change``).
+    """What each offered move would do, as the player's prompt lists it: how many tiles it merges
+    (``left: merges 1``).
 
     The player reads this instead of simulating the slides: SmolLM2-135M does not (after SFT on 32 expectimax
-    games with the board alone, 1 of 16 held-out games reached 16 at temperature 0.3: a move that changes nothing
-    repeats on the unchanged board until the game's moves run out). Picking the move with the most merges wins
-    62% of the example's games, a random move that changes the board 24%, a random move 12%.
+    games with the board alone, 1 of 16 held-out games reached 16 at temperature 0.3). Picking the move with the
+    most merges wins 62% of the example's games, a random move that changes the board 24%, a random move 12%.
     """
     tiles = sum(1 for row in board for t in row if t)
-    lines = []
-    for direction in _DIRECTIONS:
-        moved = slide(board, direction)
-        merged = tiles - sum(1 for row in moved for t in row if t)
-        lines.append(f"{direction}: {'no change' if moved == board else f'merges {merged}'}")
-    return "\n".join(lines)
+    return "\n".join(f"{d}: merges {tiles - sum(1 for row in slide(board, d) for t in row if t)}"
+                     for d in moves_that_change(board))
 
 
 def build_graph(*, base_url: str = "http://127.0.0.1:9/v1", temperature: float = 1.0, max_tokens: int = 48) -> Any:
     """The compiled game loop (``player`` <-> ``game``)."""
     llm = ChatOpenAI(model=MODEL_NAME, base_url=base_url, api_key="unused", temperature=temperature,
-                     max_tokens=max_tokens).bind_tools([move], tool_choice="required")
+                     max_tokens=max_tokens)
 
     async def player(game: Game) -> Game:
-        prompt = f"Board:\n{render(game['board'])}\n{preview(game['board'])}\nYour move?"
-        return {"last_reply": await llm.ainvoke([SystemMessage(SYSTEM), HumanMessage(prompt)])}
+        board = game["board"]
+        chat = llm.bind_tools([move_schema(board)], tool_choice="required")
+        prompt = f"Board:\n{render(board)}\n{preview(board)}\nYour move?"
+        return {"last_reply": await chat.ainvoke([SystemMessage(SYSTEM), HumanMessage(prompt)])}
 
     def play(game: Game) -> Game:
         reply = game["last_reply"]
         calls = reply.tool_calls if isinstance(reply, AIMessage) else []
         direction = calls[0]["args"].get("direction") if len(calls) == 1 and calls[0]["name"] == "move" else None
-        if direction not in _DIRECTIONS:
+        if direction not in moves_that_change(game["board"]):
             return {"outcome": "invalid"}
         moves = game.get("moves", 0) + 1
         board = slide(game["board"], direction)
-        if board != game["board"]:
-            _spawn(board, random.Random(game.get("seed", 0) * 997 + moves))
+        _spawn(board, random.Random(game.get("seed", 0) * 997 + moves))
         if max(max(row) for row in board) >= TARGET:
             return {"board": board, "moves": moves, "outcome": "won"}
-        stuck = all(slide(board, d) == board for d in _DIRECTIONS)
+        stuck = not moves_that_change(board)
         if stuck or moves >= MAX_MOVES:
             return {"board": board, "moves": moves, "outcome": "stuck"}
         return {"board": board, "moves": moves}

@@ -382,12 +382,13 @@ def test_2048_slides_and_merges_once():
     assert slide([[2, 0, 0], [2, 0, 0], [4, 0, 0]], "down") == [[0, 0, 0], [4, 0, 0], [4, 0, 0]]
 
 
-def test_2048_prompt_previews_each_move_and_the_expert_still_reads_the_board():
-    from examples.game_2048.agent import preview, render
+def test_2048_offers_and_previews_only_the_moves_that_change_the_board_and_the_expert_still_reads_it():
+    from examples.game_2048.agent import move_schema, preview, render
     from examples.game_2048.expert import parse_board
 
     board = [[2, 2, 4], [0, 0, 0], [0, 0, 0]]
-    assert preview(board) == "left: merges 1\nright: merges 1\nup: no change\ndown: merges 0"
+    assert preview(board) == "left: merges 1\nright: merges 1\ndown: merges 0"  # up changes nothing
+    assert move_schema(board)["function"]["parameters"]["properties"]["direction"]["enum"] == ["left", "right", "down"]
     assert parse_board(f"Board:\n{render(board)}\n{preview(board)}\nYour move?") == board
 
 
