@@ -20,12 +20,13 @@ from .expert import expectimax_expert
 
 __all__ = ["DEFAULTS", "EVAL_TEMPERATURE", "main", "run"]
 
-DEFAULTS = ExampleSettings(steps=1, groups=2, rollouts=6, held_out=16, eval_rollouts=1, learning_rate=1e-4,
+DEFAULTS = ExampleSettings(steps=1, groups=1, rollouts=6, held_out=16, eval_rollouts=1, learning_rate=1e-4,
                            demos=32, sft_epochs=2, sft_unique_turns=True, sft_batch_size=8)
 """For 2 CPU cores (a game is up to 10 model calls, an evaluation of 16 games about 3 minutes): SFT on the
-positions of 32 of the expert's games (2 epochs, about 7 minutes), then one GRPO step at a rate ten times below RL
-alone's (at 1e-3 the GRPO steps undid the warm start: 25% of held-out games won after SFT on 8 games, 0% after 6
-steps); about 18 minutes in all. ``--demos 0 --learning-rate 1e-3``: RL alone."""
+positions of 32 of the expert's games (2 epochs, about 8 minutes), then one GRPO step of 6 games at a rate ten times
+below RL alone's (at 1e-3 the GRPO steps undid the warm start: 25% of held-out games won after SFT on 8 games, 0%
+after 6 steps); about 18 minutes in all (with 2 groups of 6, 20.2: over the examples' 20-minute bar).
+``--demos 0 --learning-rate 1e-3``: RL alone."""
 
 EVAL_TEMPERATURE = 0.3
 """The held-out games are played at this temperature, the training games at 1.0 (GRPO needs varied games to
