@@ -8,8 +8,9 @@ finding and reading the email), or with ``--judge MODEL`` from RULER (``ruler_sc
 compares each group's runs; ``--judge local`` uses the base model on this machine). Either way the
 held-out success is measured by the checker: the right answer citing the right email.
 
-``--demos N`` warm-starts with SFT on N questions first: the same graph in demonstration mode, its model's calls
-answered by a scripted expert (``expert.py``) that stands in for a strong hosted model.
+It warm-starts with SFT on ``--demos N`` questions first (24 by default; ``--demos 0``: RL alone): the same graph
+in demonstration mode, its model's calls answered by a scripted expert (``expert.py``) that stands in for a strong
+hosted model.
 """
 
 from __future__ import annotations
