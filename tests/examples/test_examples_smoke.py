@@ -352,6 +352,7 @@ async def test_game_2048_warm_starts_with_sft_on_expectimax_games(tiny_model_dir
     the won ones, no GRPO step."""
     from examples import game_2048
     from examples._common import parse_settings
+    from examples.game_2048.agent import moves_that_change
     from examples.game_2048.expert import best_direction, parse_board
 
     settings = parse_settings("2048", tiny(tiny_model_dir, tmp_path), ["--demos", "2", "--steps", "0"])
@@ -362,6 +363,7 @@ async def test_game_2048_warm_starts_with_sft_on_expectimax_games(tiny_model_dir
     assert [(row["kind"], row["step"]) for row in history] == [("sft", 1)]
     group = _demonstrations(result)
     assert len(group.trajectories) == result.demos_trained
+    offered = []
     for game in group.trajectories:
         assert game.metadata["demonstration"] is True and game.metrics["success"] == 1.0 and game.reward == 1.0
         for turn in game.histories():  # one per move: the board it saw, the expert's move on it
@@ -369,6 +371,10 @@ async def test_game_2048_warm_starts_with_sft_on_expectimax_games(tiny_model_dir
             call = turn.messages[-1].tool_calls[0]
             assert (call.function.name, json.loads(call.function.arguments)) == (
                 "move", {"direction": best_direction(board)})
+            (tool,) = turn.tools  # the move tool as offered on that board: only the moves that change it
+            offered.append(tool["function"]["parameters"]["properties"]["direction"]["enum"])
+            assert offered[-1] == moves_that_change(board)
+    assert min(map(len, offered)) < 4, "no turn had a move that changes nothing: the narrowing went untested"
 
 
 def test_2048_slides_and_merges_once():
