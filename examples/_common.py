@@ -530,11 +530,12 @@ def demonstration_tasks(make_tasks: Callable[..., Sequence[T]], n: int, *, seed:
 
 
 def graph_at(build_graph: Callable[..., Any], model: TrainableModel, model_name: str, *, temperature: float,
-             reward: Callable[..., float], recursion_limit: int,
-             timeout: float = 600) -> tuple[TrainableGraph, Play[Any]]:
+             reward: Callable[..., float] | None = None, recursion_limit: int, timeout: float = 600,
+             task_input: Callable[[Any], Any] = dict,
+             task_reward: Callable[[Any], Callable[..., float]] | None = None) -> tuple[TrainableGraph, Play[Any]]:
     """An example's graph sampling at ``temperature``, made trainable, and its ``play(task, n, seed)``.
 
-    The games train at 1.0 (GRPO needs varied runs to compare) and are measured at a lower temperature, near the
+    The examples train at 1.0 (GRPO needs varied runs to compare) and are measured at a lower temperature, near the
     policy's most likely moves: one ``graph_at`` each.
 
     Args:
@@ -545,14 +546,22 @@ def graph_at(build_graph: Callable[..., Any], model: TrainableModel, model_name:
         reward: the reward function of every run (``fn(trajectory, final_state) -> float``).
         recursion_limit: LangGraph's step limit for one run.
         timeout: seconds one run may take.
+        task_input: the graph's input for a task (default: a copy of the task, the games' state).
+        task_reward: the reward function for a task's runs, where it depends on the task (instead of ``reward``).
+
+    Raises:
+        ValueError: neither ``reward`` nor ``task_reward`` given.
     """
     from art_plugins.langgraph import trainable
 
+    if (reward is None) == (task_reward is None):
+        raise ValueError("graph_at needs exactly one of reward= (every run) and task_reward= (per task)")
+    reward_of = task_reward or (lambda task: reward)
     graph = trainable(build_graph(temperature=temperature), model, model_names=[model_name],
                       recursion_limit=recursion_limit, timeout=timeout)
 
     async def play(task: Any, n: int, seed: int) -> TrajectoryGroup:
-        return await graph.group(dict(task), n=n, reward=reward, seed=seed)
+        return await graph.group(task_input(task), n=n, reward=reward_of(task), seed=seed)
 
     return graph, play
 

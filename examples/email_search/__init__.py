@@ -23,9 +23,9 @@ from rich.console import Console
 from art_core import TrainableModel, TrajectoryGroup
 from art_core.errors import ConfigError
 from art_core.rewards import ruler_score_group
-from art_plugins.langgraph import trainable
 
-from .._common import ExampleSettings, LearningResult, graph_demonstrations, learn, open_backend, parse_settings
+from .._common import (ExampleSettings, LearningResult, graph_at, graph_demonstrations, learn, open_backend,
+                       parse_settings)
 from ..ruler_only import judge_endpoint
 from .agent import MAX_TURNS, MODEL_NAME, build_graph, reward, task_input
 from .expert import email_expert
@@ -91,16 +91,13 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
     async with open_backend(settings) as backend:
         await model.register(backend)
         # The graph names its model "email-agent"; trainable() routes those calls to the trainable model.
-        def runs_of(graph: Any) -> Any:
-            agent = trainable(graph, model, model_names=[MODEL_NAME], recursion_limit=2 * MAX_TURNS + 2, timeout=600)
+        def at(temperature: float) -> Any:
+            return graph_at(lambda temperature: build_graph(mailbox, temperature=temperature), model, MODEL_NAME,
+                            temperature=temperature, recursion_limit=2 * MAX_TURNS + 2, task_input=task_input,
+                            task_reward=reward)
 
-            async def play(question: Question, n: int, seed: int) -> TrajectoryGroup:
-                return await agent.group(task_input(question), n=n, reward=reward(question), seed=seed)
-
-            return agent, play
-
-        agent, training_play = runs_of(build_graph(mailbox))
-        _, measure = runs_of(build_graph(mailbox, temperature=EVAL_TEMPERATURE))
+        agent, training_play = at(1.0)
+        _, measure = at(EVAL_TEMPERATURE)
 
         async with judge_endpoint(settings) as judge:
             async def judged(question: Question, n: int, seed: int) -> TrajectoryGroup:
