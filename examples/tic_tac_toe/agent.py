@@ -2,8 +2,9 @@
 
 The graph alternates two nodes until the game ends:
 
-- ``player``: the chat model sees the board, its empty cells drawn as their numbers (1-9, row by row), and must
-  call ``make_move(cell)`` (``tool_choice="required"``, so the reply is a well-formed call and the cell is the
+- ``player``: the chat model sees the board, its empty cells drawn as their numbers (1-9, row by row), with the
+  cells that win at once and those that block O's three in a row named under it, and must call
+  ``make_move(cell)`` (``tool_choice="required"``, so the reply is a well-formed call and the cell is the
   model's choice);
 - ``referee``: plain Python. It plays the model's move (an illegal or missing move ends the game), then a
   random opponent's, and decides whether the game is over.
@@ -27,12 +28,13 @@ from langgraph.graph import END, START, StateGraph
 
 from art_core import Trajectory
 
-__all__ = ["MODEL_NAME", "VALID_MOVE_CREDIT", "build_graph", "make_tasks", "reward"]
+__all__ = ["MODEL_NAME", "VALID_MOVE_CREDIT", "build_graph", "completing_cells", "make_tasks", "observe", "reward"]
 
 MODEL_NAME = "tic-tac-toe"
 _LINES = [(0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6)]
 SYSTEM = ("You play tic-tac-toe as X against O. The board shows X, O and the number of each empty cell. Call "
-          "make_move with the number of an empty cell. Three X in a row, column or diagonal wins.")
+          "make_move with the number of an empty cell. Three X in a row, column or diagonal wins. Under the board: "
+          "the cells that win now, and the cells where O would win next (play one to block it).")
 
 
 @tool
@@ -70,14 +72,34 @@ def render(board: list[str]) -> str:
     return "\n".join(" ".join(cells[r * 3:(r + 1) * 3]) for r in range(3))
 
 
+def completing_cells(board: list[str], mark: str) -> list[int]:
+    """The empty cells (0-8) that would give ``mark`` three in a row (the line's other two cells hold it)."""
+    return sorted({cell for line in _LINES for cell in line
+                   if board[cell] == "." and sum(board[other] == mark for other in line) == 2})
+
+
+def observe(board: list[str]) -> str:
+    """The player's turn prompt: the board (``render``), then the cells that win now and those that block O.
+
+    A game app highlights these cells; a 135M model does not find them on its own (after SFT on the scripted
+    expert's games it still failed to win about a quarter of its held-out games), while copying a number it is
+    shown is easy: a player that takes a winning cell, else a blocking one, else the first empty cell, wins 83%
+    of this example's games, and 90% with the centre and corners before the edges.
+    """
+    def numbers(cells: list[int]) -> str:
+        return ", ".join(str(cell + 1) for cell in cells) or "none"
+
+    return (f"Board:\n{render(board)}\nWins now: {numbers(completing_cells(board, 'X'))}\n"
+            f"Blocks O: {numbers(completing_cells(board, 'O'))}\nYour move?")
+
+
 def build_graph(*, base_url: str = "http://127.0.0.1:9/v1", temperature: float = 1.0, max_tokens: int = 48) -> Any:
     """The compiled game loop (``player`` <-> ``referee``)."""
     llm = ChatOpenAI(model=MODEL_NAME, base_url=base_url, api_key="unused", temperature=temperature,
                      max_tokens=max_tokens).bind_tools([make_move], tool_choice="required")
 
     async def player(game: Game) -> Game:
-        prompt = f"Board:\n{render(game['board'])}\nYour move?"
-        return {"last_reply": await llm.ainvoke([SystemMessage(SYSTEM), HumanMessage(prompt)])}
+        return {"last_reply": await llm.ainvoke([SystemMessage(SYSTEM), HumanMessage(observe(game["board"]))])}
 
     def referee(game: Game) -> Game:
         board, reply = list(game["board"]), game["last_reply"]

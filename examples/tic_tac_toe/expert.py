@@ -1,9 +1,10 @@
 """The tic-tac-toe player's scripted expert: the teacher of ``--demos`` (see ``examples._expert``).
 
 It stands in for a strong hosted model (a scripted expert): it reads the board from the conversation's last user
-message and calls ``make_move`` on the cell that wins most often against the example's opponent, who plays a random
-empty cell. Against that opponent it beats minimax, which assumes a perfect one: 96% wins over 2,000 of the
-example's games, where minimax wins 90% and draws the rest.
+message and calls ``make_move`` on a cell that wins now if there is one, else on one that blocks O's three in a
+row, else on the cell that wins most often against the example's opponent, who plays a random empty cell. Against
+that opponent it beats minimax, which assumes a perfect one: 96% wins over 2,000 of the example's games, where
+minimax wins 90% and draws the rest.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import re
 from typing import Any
 
 from .._expert import ScriptedExpert, ToolCall, message_text
-from .agent import winner
+from .agent import completing_cells, winner
 
 __all__ = ["EXPERT_NAME", "PREFERENCE", "best_move", "expert_policy", "parse_board", "tic_tac_toe_expert"]
 
@@ -51,7 +52,13 @@ def win_chance(board: str, x_to_move: bool) -> float:
 
 
 def best_move(board: list[str]) -> int:
-    """The cell (0-8, row by row) with the best chance of a win against a random O (``PREFERENCE`` on a tie).
+    """The expert's cell (0-8, row by row): one that wins now, else one that blocks O, else the one with the best
+    chance of a win against a random O; ``PREFERENCE`` breaks ties.
+
+    The first two rules follow the lines the player is shown under the board (``agent.observe``). The search alone
+    wins as often (96.7% of 2,000 games, against 96.2%) but now and then delays a sure win, or leaves O's line open
+    to make a threat of its own, a gamble on the random opponent that contradicts those lines: demonstrations
+    that do so teach a small model to ignore them (after SFT on them, it missed 8 of 33 winning cells shown).
 
     Raises:
         ValueError: the game is over (a line is complete, or no cell is empty).
@@ -59,6 +66,10 @@ def best_move(board: list[str]) -> int:
     text = "".join(board)
     if winner(board) is not None or "." not in text:
         raise ValueError(f"the game on {text!r} is over: there is no move to make")
+    by_preference = PREFERENCE.index
+    for mark in ("X", "O"):
+        if cells := completing_cells(board, mark):
+            return min(cells, key=by_preference)
     empty = [i for i in PREFERENCE if text[i] == "."]  # max() keeps the first of equals: PREFERENCE breaks ties
     return max(empty, key=lambda i: win_chance(text[:i] + "X" + text[i + 1:], False))
 

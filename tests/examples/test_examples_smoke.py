@@ -412,14 +412,27 @@ def test_tic_tac_toe_rewards_follow_the_outcome():
 
 
 def test_tic_tac_toe_shows_empty_cells_by_number_and_the_expert_reads_them_back():
-    from examples.tic_tac_toe.agent import _cell, render
+    from examples.tic_tac_toe.agent import _cell, observe, render
     from examples.tic_tac_toe.expert import parse_board
 
     board = list("X...O...X")
     assert render(board) == "X 2 3\n4 O 6\n7 8 X"
-    assert parse_board(f"Board:\n{render(board)}\nYour move?") == board
+    assert parse_board(observe(board)) == board
     assert [_cell({"cell": 3}), _cell({"cell": 0}), _cell({"cell": 10}), _cell({"cell": True}), _cell({})] == \
         [2, None, None, None, None]
+
+
+def test_tic_tac_toe_names_the_cells_that_win_now_and_those_that_block_o():
+    from examples.tic_tac_toe.agent import completing_cells, observe
+    from examples.tic_tac_toe.expert import best_move
+
+    assert observe(list("X.XOO....")) == "Board:\nX 2 X\nO O 6\n7 8 9\nWins now: 2\nBlocks O: 6\nYour move?"
+    assert observe(list("....X....")).splitlines()[-3:-1] == ["Wins now: none", "Blocks O: none"]
+    board = list("XO.XO.O.X")  # every X line holds an O; O has two: the 3-5-7 diagonal and the middle column
+    assert (completing_cells(board, "X"), completing_cells(board, "O")) == ([], [2, 7])
+    assert observe(board).splitlines()[-3:-1] == ["Wins now: none", "Blocks O: 3, 8"]
+    board = list("XX.OO.X.O")  # both threaten: X wins at 3, O at 6; the expert wins rather than blocks
+    assert (completing_cells(board, "X"), completing_cells(board, "O")) == ([2], [5]) and best_move(board) == 2
 
 
 async def test_agents_sdk_support(tiny_model_dir, tmp_path):

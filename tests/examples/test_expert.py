@@ -87,7 +87,7 @@ def test_parse_question_reads_the_calculator_question():
 
 async def test_the_tic_tac_toe_expert_wins_when_it_can_and_blocks_otherwise():
     from examples.tic_tac_toe.agent import SYSTEM as RULES
-    from examples.tic_tac_toe.agent import make_move, render
+    from examples.tic_tac_toe.agent import make_move, observe
     from examples.tic_tac_toe.expert import EXPERT_NAME, best_move, tic_tac_toe_expert
 
     schema = [{"type": "function", "function": {"name": "make_move", "description": make_move.description,
@@ -95,13 +95,15 @@ async def test_the_tic_tac_toe_expert_wins_when_it_can_and_blocks_otherwise():
 
     def position(cells: str) -> list[dict[str, str]]:  # the player node's prompt
         return [{"role": "system", "content": RULES},
-                {"role": "user", "content": f"Board:\n{render(list(cells))}\nYour move?"}]
+                {"role": "user", "content": observe(list(cells))}]
 
     async with tic_tac_toe_expert() as expert:
         async with openai.AsyncOpenAI(base_url=expert.base_url, api_key="unused", max_retries=0) as client:
             moves = []
             for cells in ("XX.OO....",   # X completes the top row: cell 3
                           "X..OO..X.",   # O threatens the middle row: block at cell 6
+                          "XOO.X....",   # wins now at 9, although cell 7 (a double threat) is as sure a win
+                          "..X.OO...",   # blocks at 4, although cell 1 (a threat of its own) wins more often
                           "O...X...."):  # nothing urgent: the cell the expert rates best
                 reply = await client.chat.completions.create(model=EXPERT_NAME, messages=position(cells),
                                                              tools=schema, tool_choice="required", max_tokens=48)
@@ -111,9 +113,9 @@ async def test_the_tic_tac_toe_expert_wins_when_it_can_and_blocks_otherwise():
             with pytest.raises(openai.BadRequestError, match="is over: there is no move"):
                 await client.chat.completions.create(model=EXPERT_NAME, messages=position("XXXOO...."),
                                                      tools=schema, max_tokens=48)
-    assert moves[:2] == [{"cell": 3}, {"cell": 6}]
-    third = best_move(list("O...X...."))
-    assert moves[2] == {"cell": third + 1} and "O...X...."[third] == "."
+    assert moves[:4] == [{"cell": 3}, {"cell": 6}, {"cell": 9}, {"cell": 4}]
+    last = best_move(list("O...X...."))
+    assert moves[4] == {"cell": last + 1} and "O...X...."[last] == "."
 
 
 # --- game_2048: the expectimax player ---
