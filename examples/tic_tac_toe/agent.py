@@ -81,10 +81,10 @@ def completing_cells(board: list[str], mark: str) -> list[int]:
 def observe(board: list[str]) -> str:
     """The player's turn prompt: the board (``render``), then the cells that win now and those that block O.
 
-    A game app highlights these cells; a 135M model does not find them on its own (after SFT on the scripted
-    expert's games it still failed to win about a quarter of its held-out games), while copying a number it is
-    shown is easy: a player that takes a winning cell, else a blocking one, else the first empty cell, wins 83%
-    of this example's games, and 90% with the centre and corners before the edges.
+    A game app highlights these cells; a 135M model does not find them on its own (on the bare board, after SFT on
+    the scripted expert's games, it still failed to win about a quarter of its held-out games), while copying a
+    number it is shown is easy: a player that takes a winning cell, else a blocking one, else the first empty
+    cell, wins 83% of this example's games, and 90% with the centre and corners before the edges.
     """
     def numbers(cells: list[int]) -> str:
         return ", ".join(str(cell + 1) for cell in cells) or "none"
