@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from art_core import CallRecord, TrainConfig, Trajectory, TrajectoryGroup
@@ -12,9 +13,11 @@ from art_core.training.samples import trajectory_samples
 from art_core.training.trainer import GRPOTrainer, load_policy
 
 
-def _group(seed: int, prompt_len: int = 40, completions: tuple[int, ...] = (7, 3, 9, 5)) -> TrajectoryGroup:
+def _group(seed: int, prompt_len: int = 40, completions: tuple[int, ...] = (7, 3, 9, 5),
+           system: list[int] | None = None) -> TrajectoryGroup:
+    """A group of random tokens; ``system``: tokens its prompt starts with (a system prompt shared by groups)."""
     g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(10, 1000, (prompt_len,), generator=g).tolist()
+    prompt = (system or []) + torch.randint(10, 1000, (prompt_len,), generator=g).tolist()
     trajectories = []
     for i, n in enumerate(completions):
         completion = torch.randint(10, 1000, (n,), generator=g).tolist()
@@ -78,6 +81,55 @@ def test_trainer_step_is_the_same_with_and_without_prefix_sharing(tiny_model_dir
     assert abs(m_shared["loss"] - m_full["loss"]) < 1e-6
     for name in w_full:
         torch.testing.assert_close(w_shared[name], w_full[name], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_the_prompt_every_group_starts_with_runs_once_per_step(tiny_model_dir, beta):
+    """Groups behind one system prompt: it runs once for the step (the root prefix), each group's task after it
+    on the root's cache; the step's loss and updated weights are those of running every sequence whole (with a
+    KL term too: the reference model's prefixes nest the same way)."""
+    system = torch.randint(10, 1000, (24,), generator=torch.Generator().manual_seed(9)).tolist()
+    groups = [_group(4, prompt_len=12, system=system), _group(5, prompt_len=7, completions=(4, 8, 6), system=system),
+              _group(6, prompt_len=9, completions=(5, 2), system=system)]
+    samples = [[s for t in g for s in trajectory_samples(t)] for g in groups]
+    plan = plan_micro_batches(samples, token_budget=4096)
+    assert [pg.root_length for pg in plan] == [24, 24, 24]
+    assert [len(pg.prefix_ids) for pg in plan] == [36, 31, 33]
+    distinct = [_group(7), _group(8)]  # random prompts: nothing common to share
+    assert [pg.root_length for pg in plan_micro_batches(
+        [[s for t in g for s in trajectory_samples(t)] for g in distinct], token_budget=4096)] == [0, 0]
+
+    results = []
+    for share in (True, False):
+        torch.manual_seed(0)
+        model, tokenizer = load_policy(tiny_model_dir, LoraSettings(), device="cpu")
+        for p in model.parameters():  # a non-zero adapter, so LoRA gradients flow through every path
+            if p.requires_grad:
+                torch.nn.init.normal_(p, std=0.05)
+        trainer = GRPOTrainer(model, tokenizer)
+        metrics = trainer.train_step(groups, TrainConfig(share_prefix=share, micro_batch_tokens=16, tis_cap=None,
+                                                         beta=beta))
+        weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        results.append((metrics, weights))
+    (m_shared, w_shared), (m_full, w_full) = results
+    whole = sum(len(s.token_ids) for g in samples for s in g)
+    suffixes = sum(len(s.token_ids) - len(pg.prefix_ids) for g, pg in zip(samples, plan) for s in g)
+    assert m_full["forward_tokens"] == whole
+    assert m_shared["forward_tokens"] == 24 + (12 + 7 + 9) + suffixes  # the root once, then each group's task
+    assert abs(m_shared["loss"] - m_full["loss"]) < 1e-6
+    for name in w_full:
+        torch.testing.assert_close(w_shared[name], w_full[name], atol=1e-6, rtol=1e-5)
+
+
+def test_a_prefix_must_extend_its_parent(tiny_model_dir):
+    model, _ = load_policy(tiny_model_dir, LoraSettings(), device="cpu")
+    root = SharedPrefix(model, [11, 12, 13, 14], grad=False)
+    child = SharedPrefix(model, [11, 12, 13, 14, 15, 16], grad=False, parent=root)
+    whole = SharedPrefix(model, [11, 12, 13, 14, 15, 16], grad=False)
+    torch.testing.assert_close(child.last_logits, whole.last_logits, atol=1e-5, rtol=1e-5)
+    for bad in ([11, 12, 13, 14], [11, 12, 99, 14, 15]):
+        with pytest.raises(ValueError, match="does not extend its parent"):
+            SharedPrefix(model, bad, grad=False, parent=root)
 
 
 def test_chunked_head_equals_full_logits(tiny_model_dir):

@@ -1,10 +1,14 @@
-"""Samples -> micro-batches, sharing each group's common prompt.
+"""Samples -> micro-batches, sharing each group's common prompt, and the prompt all groups share.
 
 The completions of a GRPO group sit behind the same prompt (an agent's system prompt, tool schemas and
 task are often most of the tokens). Instead of running that prompt once per completion, a group's
 longest common token prefix is run once and its key/value cache is reused by every completion
 (``training/forward.py``). The remaining suffixes are packed into micro-batches whose padded size stays
 under a token budget, so memory is bounded whatever the group size.
+
+The groups of one step usually differ only in their task: the system prompt and tool schemas before it are the
+same in every group. That part, the step's root prefix (``PrefixGroup.root_length``), is run once for the whole
+step and each group's prefix continues from its cache, so a step runs the system prompt once, not once per group.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ class PrefixGroup:
 
     prefix_ids: list[int]
     micro_batches: list[MicroBatch] = field(default_factory=list)
+    root_length: int = 0
+    """Leading tokens of ``prefix_ids`` that every sharing group of the step starts with (the step's root prefix,
+    run once for all of them); always shorter than ``prefix_ids``. 0: this group's prefix runs on its own."""
 
 
 def plan_micro_batches(
@@ -66,7 +73,9 @@ def plan_micro_batches(
         pad_token_id: id put in padding positions (masked out; any valid id works).
 
     Returns:
-        One ``PrefixGroup`` per input group with at least one sample.
+        One ``PrefixGroup`` per input group with at least one sample. With ``share_prefix``, when two or more
+        groups' prefixes start with the same ``min_shared_prefix`` tokens or more, each of them gets that
+        common start as its ``root_length``.
     """
     planned = []
     for samples in groups:
@@ -87,7 +96,30 @@ def plan_micro_batches(
             current.append(sample)
         group.micro_batches.append(_collate(current, prefix_len, pad_token_id))
         planned.append(group)
+    if share_prefix:
+        _share_root(planned, min_shared_prefix)
     return planned
+
+
+def _share_root(planned: list[PrefixGroup], min_shared_prefix: int) -> None:
+    """Give the groups with a prefix their longest common start as ``root_length`` (when it is long enough).
+
+    Each group keeps at least one prefix token of its own: the logits at its prefix's last position predict its
+    first suffix token, and they come from the group's own forward.
+    """
+    prefixes = [g.prefix_ids for g in planned if g.prefix_ids]
+    if len(prefixes) < 2:
+        return
+    first, n = prefixes[0], min(len(p) for p in prefixes) - 1
+    for ids in prefixes[1:]:
+        i = 0
+        while i < n and ids[i] == first[i]:
+            i += 1
+        n = i
+    if n >= min_shared_prefix:
+        for group in planned:
+            if group.prefix_ids:
+                group.root_length = n
 
 
 def _shared_prefix_length(samples: Sequence[Sample]) -> int:

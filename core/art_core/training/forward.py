@@ -4,7 +4,9 @@
 values, and the logits at its last position) are handed to the micro-batches as detached leaf tensors:
 every micro-batch expands them to its batch size (a view, no copy), runs only its own suffix tokens, and
 backpropagates into those leaves. ``SharedPrefix.backward()`` then sends the accumulated gradients
-through the prefix's graph once. The result equals running each full sequence separately (values exact,
+through the prefix's graph once. Prefixes nest the same way: a group's prefix built on the step's root prefix
+(``parent``, the prompt every group shares) runs only its own tokens on the root's cache and backpropagates into
+the root's leaves; the root's ``backward()`` runs once, after every group's. The result equals running each full sequence separately (values exact,
 gradients to float rounding; see tests/training/test_forward.py) at a fraction of the work when the
 prompt is long, and the memory held at any time is one prefix graph plus one micro-batch graph.
 
@@ -57,13 +59,29 @@ class SharedPrefix:
         model: a causal LM (PEFT-wrapped or not).
         prefix_ids: the shared tokens (at least one).
         grad: build a graph so micro-batches can backpropagate into the prefix.
+        parent: a prefix that ``prefix_ids`` starts with (and extends by at least one token): only the tokens
+            after it are run, on its cache, and this prefix's ``backward()`` sends its share of the gradients
+            into the parent's leaves (call the parent's ``backward()`` after all of its children's).
+
+    Raises:
+        ValueError: ``prefix_ids`` does not extend ``parent``'s tokens.
     """
 
-    def __init__(self, model: torch.nn.Module, prefix_ids: list[int], *, grad: bool) -> None:
-        self.length = len(prefix_ids)
-        ids = torch.tensor([prefix_ids], device=_device(model))
+    def __init__(self, model: torch.nn.Module, prefix_ids: list[int], *, grad: bool,
+                 parent: SharedPrefix | None = None) -> None:
+        self.ids, self.length = list(prefix_ids), len(prefix_ids)
+        device = _device(model)
+        start, kwargs = 0, {}
+        if parent is not None:
+            if parent.length >= self.length or self.ids[:parent.length] != parent.ids:
+                raise ValueError(f"a prefix of {self.length} tokens does not extend its parent's "
+                                 f"{parent.length}: build it without the parent")
+            start = parent.length
+            kwargs = {"past_key_values": parent.cache_for(1, model.config),
+                      "position_ids": torch.arange(start, self.length, device=device)[None]}
+        ids = torch.tensor([self.ids[start:]], device=device)
         with torch.set_grad_enabled(grad), fused_lora(model), lean_forward(model):
-            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **kwargs)
         self._grad = grad
         self._outputs: list[torch.Tensor] = [out.logits[0, -1]]  # [V]
         for layer in out.past_key_values.layers:

@@ -216,14 +216,22 @@ class GRPOTrainer:
         self.model.train()
         stats = StepStats(next(iter(self.params)).device)
         done = forward_tokens = 0
+        root = ref_root = None  # the prompt every group starts with, run once for the step (batching.py)
         try:
             for pg in work.plan:
-                prefix = SharedPrefix(self.model, pg.prefix_ids, grad=True) if pg.prefix_ids else None
+                if pg.root_length and root is None:
+                    root = SharedPrefix(self.model, pg.prefix_ids[:pg.root_length], grad=True)
+                    if objective.reference:
+                        with torch.no_grad(), self.model.disable_adapter():
+                            ref_root = SharedPrefix(self.model, root.ids, grad=False)
+                    forward_tokens += root.length
+                parent, ref_parent = (root, ref_root) if pg.root_length else (None, None)
+                prefix = SharedPrefix(self.model, pg.prefix_ids, grad=True, parent=parent) if pg.prefix_ids else None
                 ref_prefix = None
                 if objective.reference and pg.prefix_ids:
                     with torch.no_grad(), self.model.disable_adapter():
-                        ref_prefix = SharedPrefix(self.model, pg.prefix_ids, grad=False)
-                forward_tokens += len(pg.prefix_ids)
+                        ref_prefix = SharedPrefix(self.model, pg.prefix_ids, grad=False, parent=ref_parent)
+                forward_tokens += len(pg.prefix_ids) - pg.root_length
                 for mb in pg.micro_batches:
                     self._micro_batch(mb, prefix, ref_prefix, objective, work, stats)
                     forward_tokens += int(mb.attention_mask.sum())  # a host tensor: no device sync
@@ -231,7 +239,9 @@ class GRPOTrainer:
                     if progress:
                         progress(done, work.micro_batches)
                 if prefix is not None:
-                    prefix.backward()
+                    prefix.backward()  # into the LoRA weights, and the root's leaves
+            if root is not None:
+                root.backward()
             if sync is not None:  # every rank now holds the whole step's gradient
                 sync.gradients(self.params)
         except BaseException:
