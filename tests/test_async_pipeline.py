@@ -102,6 +102,94 @@ async def test_rollouts_go_on_while_a_step_trains_and_the_next_step_corrects_for
         assert report.steps[0].seconds_both > 0 and report.steps[0].overlap > 0
 
 
+class PublishGate:
+    """Holds the publishing of checkpoint ``step`` (the engine loading it) until ``open()``; records the order in
+    which steps reach the trainer, finish training and are published. Wraps the runner's real ``train`` and
+    ``publish`` (instance attributes of the test's own runner)."""
+
+    def __init__(self, runner: Any, step: int) -> None:
+        self.events: list[str] = []
+        self.holding, self.trained, self._released = asyncio.Event(), {}, asyncio.Event()
+        work = runner.work
+        train, publish = work.train, work.publish
+
+        async def trained(groups: Any, config: Any, *, step: int, **options: Any) -> Any:
+            self.events.append(f"train {step}")
+            result = await train(groups, config, step=step, **options)
+            self.events.append(f"trained {step}")
+            self.trained.setdefault(step, asyncio.Event()).set()
+            return result
+
+        async def published(checkpoint: Path, at: int) -> None:
+            if at == step:
+                self.holding.set()
+                await self._released.wait()
+            await publish(checkpoint, at)
+            self.events.append(f"published {at}")
+
+        work.train, work.publish = trained, published
+
+    def open(self) -> None:
+        self._released.set()
+
+
+async def test_the_next_step_trains_while_the_engine_loads_the_last_checkpoint(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Serving during steps, the trainer does not wait for the engine: step 2 trains while checkpoint 1 is being
+    loaded, which goes on serving checkpoint 0 meanwhile; checkpoints are published and history rows written in
+    step order, and each ``train`` returns once the engine serves its checkpoint."""
+    async for model in _registered(tmp_path, tiny_model_dir, pause_during_step=False,
+                                   transformers=TransformersOptions(separate_module=True)):
+        gate = PublishGate(_runner(model), step=1)
+        groups = [[await _play_sample(model) for _ in range(2)] for _ in range(2)]
+        first = asyncio.create_task(model.train(groups[0], config=CONFIG))
+        await gate.holding.wait()
+        second = asyncio.create_task(model.train(groups[1], config=CONFIG))
+        # step 2 trained while checkpoint 1 is still loading (a bound for failure, not a timing: it fails, not hangs)
+        await asyncio.wait_for(gate.trained.setdefault(2, asyncio.Event()).wait(), 120)
+        assert gate.events == ["train 1", "trained 1", "train 2", "trained 2"]
+        assert not first.done() and not second.done()
+        during = (await model.sample(CHAT, max_tokens=2))[0]
+        assert during.calls[0].adapter_step == 0
+        gate.open()
+        assert (await first)["trained"] == 1.0 and model.step == 1
+        await second
+        assert gate.events[4:] == ["published 1", "published 2"] and model.step == 2
+        assert [row["step"] for row in await model.history()] == [1, 2]
+        assert (await model.sample(CHAT, max_tokens=2))[0].calls[0].adapter_step == 2
+
+
+async def test_the_pipeline_starts_the_next_step_while_the_last_checkpoint_loads(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    async for model in _registered(tmp_path, tiny_model_dir, pause_during_step=False,
+                                   transformers=TransformersOptions(separate_module=True)):
+        gate = PublishGate(_runner(model), step=1)
+
+        async def play(task: int) -> TrajectoryGroup:
+            return await _play_sample(model)
+
+        running = asyncio.create_task(pipeline(model, itertools.count(), play, steps=2, groups_per_step=2,
+                                               max_off_policy=1, concurrency=4, config=CONFIG, log=None))
+        await asyncio.wait_for(gate.trained.setdefault(2, asyncio.Event()).wait(), 120)  # a failure bound only
+        assert "published 1" not in gate.events and not running.done()
+        gate.open()
+        report = await running
+        assert [s.step for s in report.steps] == [1, 2] and gate.events[-2:] == ["published 1", "published 2"]
+        assert (await model.history())[1]["groups_staleness_1"] == 2  # sampled by checkpoint 0, trained from 1
+
+
+async def test_with_the_pause_policy_a_step_waits_for_the_last_one_to_be_served(model: TrainableModel) -> None:
+    gate = PublishGate(_runner(model), step=1)
+    groups = [[await _play_sample(model) for _ in range(2)] for _ in range(2)]
+    first = asyncio.create_task(model.train(groups[0], config=CONFIG))
+    await gate.holding.wait()
+    second = asyncio.create_task(model.train(groups[1], config=CONFIG))
+    await _until(lambda: _runner(model).waiting_steps == 1)  # step 2 waits for the trainer
+    gate.open()
+    await asyncio.gather(first, second)
+    assert gate.events == ["train 1", "trained 1", "published 1", "train 2", "trained 2", "published 2"]
+
+
 async def test_a_failed_rollout_is_counted_and_the_pipeline_goes_on(model: TrainableModel) -> None:
     async def play(task: int) -> TrajectoryGroup:
         if task == 1:

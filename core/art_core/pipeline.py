@@ -17,13 +17,16 @@ the sampler's recorded log-probs (exact off-policy correction).
 
 Rollouts overlap training only when the backend keeps serving during a step
 (``LocalBackend(pause_during_step=False)``); with the default policy they wait at the gateway during each step,
-and the pipeline still keeps ``concurrency`` rollouts queued for the moment it resumes.
+and the pipeline still keeps ``concurrency`` rollouts queued for the moment it resumes. Serving during steps, the
+trainer does not wait for the engine either: with ``max_off_policy >= 1`` the next step is handed to the backend
+as soon as its groups are ready, and it trains while the engine loads the checkpoint before it.
 
 **Nothing is lost.** Each step writes its groups to disk before training (as ``model.train`` always does). A rollout
 that raises (or returns an empty group) is counted and the pipeline goes on. A step that raises stops the
 pipeline with that error, after cancelling the rollouts in flight; its trajectories stay on disk. Cancelling the
-pipeline (Ctrl-C) cancels the rollouts in flight and lets a step already training finish, so no checkpoint or
-history row is left half-written.
+pipeline (Ctrl-C) cancels the rollouts in flight and lets the steps already handed to the backend finish (the one
+training, and the next one when it is queued behind it), so no checkpoint or history row is left half-written.
+The same holds when a step fails: a step queued behind it still trains before the error is raised.
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ class _Clock:
 
     def __init__(self) -> None:
         self.rollouts = 0
-        self.training = False
+        self.training = 0  # steps in flight
         self._last = self._lap_start = time.perf_counter()
         self.rollout = self.train = self.both = 0.0
 
@@ -121,12 +124,12 @@ class _Clock:
     @contextlib.contextmanager
     def stepping(self) -> Iterator[None]:
         self._advance()
-        self.training = True
+        self.training += 1
         try:
             yield
         finally:
             self._advance()
-            self.training = False
+            self.training -= 1
 
     def lap(self) -> tuple[float, float, float, float]:
         """(wall, rollout, train, both) seconds since the last lap; starts a new one."""
@@ -213,27 +216,32 @@ class _Pipeline(Generic[T]):
         self.exhausted = False
 
     async def run(self) -> PipelineReport:
-        step: asyncio.Task[Any] | None = None
+        # Steps in flight, oldest first. Off-policy, a second one may start while the first runs: the backend
+        # trains it once the first's checkpoint is written, while the engine loads that checkpoint (_steps.py).
+        steps: list[asyncio.Task[Any]] = []
+        in_flight = 2 if self.bound > 0 else 1
         try:
             while self.done_steps < self.steps:
                 self._start_rollouts()
-                if step is None and len(self.ready) >= self.per_step:
+                while (len(steps) < in_flight and self.done_steps + len(steps) < self.steps
+                       and len(self.ready) >= self.per_step):
                     step = asyncio.create_task(self._step(stalest_first(self.ready, self.per_step)))
                     step.add_done_callback(lambda _: self.changed.set())
-                if step is None and self.exhausted and not self.rollouts:
+                    steps.append(step)
+                if not steps and self.exhausted and not self.rollouts:
                     break  # no task left and too few groups for another step
                 self.changed.clear()
                 await self.changed.wait()
-                if step is not None and step.done():
-                    finished, step = step, None
-                    finished.result()  # a failed step stops the pipeline with its error
+                while steps and steps[0].done():
+                    steps.pop(0).result()  # a failed step stops the pipeline with its error
         except BaseException:
             for task in self.rollouts:
                 task.cancel()
             await asyncio.gather(*self.rollouts, return_exceptions=True)
-            if step is not None and not step.done():  # let the step finish: no half-written checkpoint or row
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(step)
+            for step in steps:  # let the steps finish: no half-written checkpoint or row
+                if not step.done():
+                    with contextlib.suppress(BaseException):
+                        await asyncio.shield(step)
             raise
         for task in self.rollouts:  # enough steps: rollouts still running are not needed
             task.cancel()

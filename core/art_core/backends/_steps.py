@@ -25,7 +25,9 @@ resumes serving. A step that fails before its checkpoint is written changes noth
 With ``pause_during_step=False`` (``LocalBackend(pause_during_step=False)``, the asynchronous pipeline) requests keep
 being served by the previous checkpoint while the next one trains; publishing swaps the adapter between requests
 (the engine's ``load_adapter`` lets the requests in flight finish on the old one), and only a failed publish
-pauses the gateway.
+pauses the gateway. The trainer does not wait for the engine either: once a step's checkpoint is written, the
+next ``run`` may train while this one publishes (4-5). Publishing and history rows stay in step order, and each
+``run`` still returns once the engine serves its checkpoint.
 """
 
 from __future__ import annotations
@@ -157,7 +159,8 @@ class StepRunner:
         """``run`` calls waiting for the step before them to end."""
         self.waiting_samples = 0
         """``serving`` callers waiting for a step to end."""
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # one step trains at a time (with the pause policy: one step at all)
+        self._publishing = asyncio.Lock()  # checkpoints are published, and history rows written, in step order
         self._idle = asyncio.Event()  # set while no step runs (with the pause policy): ``serving`` waits for it
         self._idle.set()
 
@@ -176,13 +179,21 @@ class StepRunner:
             await self._lock.acquire()
         finally:
             self.waiting_steps -= 1
+        held = True
+
+        def release_trainer() -> None:
+            nonlocal held
+            if held:
+                held = False
+                self._lock.release()
+
         try:
             if self.pause_during_step:
                 self._idle.clear()
-            return await self._step(list(groups), config, progress, options)
+            return await self._step(list(groups), config, progress, options, release_trainer)
         finally:
             self._idle.set()
-            self._lock.release()
+            release_trainer()
 
     @asynccontextmanager
     async def serving(self) -> AsyncIterator[None]:
@@ -203,7 +214,7 @@ class StepRunner:
             yield
 
     async def _step(self, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig, progress: Progress | None,
-                    options: dict[str, Any]) -> StepOutcome:
+                    options: dict[str, Any], release_trainer: Callable[[], None]) -> StepOutcome:
         from ..training.checkpoints import write_checkpoint
 
         next_step = self.step + 1
@@ -228,37 +239,46 @@ class StepRunner:
                 await self.hold.resume_after_training(self.step)
             raise
         _warn_dropped_groups(groups, config, next_step - 1, metrics)
+        step = self.step  # this step's checkpoint (or the one before, when nothing was trained)
+        async with self._publishing:
+            if not self.pause_during_step:  # the trainer is free: the next step may train while this one publishes
+                release_trainer()
+            return await self._publish(step, groups, config, metrics, checkpoint, trained.extra)
 
+    async def _publish(self, step: int, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig,
+                       metrics: dict[str, Any], checkpoint: Path | None, extra: dict[str, Any]) -> StepOutcome:
+        """Steps 4-5 of the module docstring for ``step`` (``checkpoint``: its files; None: nothing was trained).
+        ``self.step`` may be ahead by then: the next step trains while this one publishes."""
         # 4. publish, then the history row (written whether or not the engine took the checkpoint)
         failure: BaseException | None = None
         if checkpoint is not None:
             started = time.perf_counter()
             try:
-                await self.work.publish(checkpoint, self.step)
+                await self.work.publish(checkpoint, step)
             except Exception as exc:
                 failure = exc
                 metrics["adapter_load_error"] = str(exc)
             metrics["seconds_adapter_load"] = time.perf_counter() - started
-        append_history(self.model_dir, {"step": self.step, "time": time.time(), "kind": config.kind, **metrics,
+        append_history(self.model_dir, {"step": step, "time": time.time(), "kind": config.kind, **metrics,
                                         **trace_links(groups)})
         if failure is not None:
             self.error = failure
             if self.hold.state == "serving":  # the policy let requests run: stop them reaching the old step
                 await self.hold.pause_for_training()
-            raise EngineError(f"checkpoint {self.step:04d} was trained and written to {checkpoint}, but the "
+            raise EngineError(f"checkpoint {step:04d} was trained and written to {checkpoint}, but the "
                               f"{self.engine_label} engine could not serve it, so the gateway stays paused (held "
                               f"requests wait; none is served by an older step). The step's trajectories are in "
                               f"{self.model_dir / 'trajectories'}. Cause: {failure}") from failure
 
-        # 5. resume: the gateway checks the engine serves self.step, then releases held requests
+        # 5. resume: the gateway checks the engine serves this step, then releases held requests
         if self.hold.state == "paused":
             try:
-                await self.hold.resume_after_training(self.step)
+                await self.hold.resume_after_training(step)
             except Exception as exc:  # the engine serves another step: requests stay held
                 self.error = exc
                 raise
         self.error = None
-        return StepOutcome(TrainResult(metrics=metrics, step=self.step), trained.extra)
+        return StepOutcome(TrainResult(metrics=metrics, step=step), extra)
 
 
 def _checkpoint_metadata(config: TrainConfig | SFTConfig, metrics: dict[str, Any]) -> dict[str, Any]:
