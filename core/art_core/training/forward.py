@@ -4,11 +4,14 @@
 values, and the logits at its last position) are handed to the micro-batches as detached leaf tensors:
 every micro-batch expands them to its batch size (a view, no copy), runs only its own suffix tokens, and
 backpropagates into those leaves. ``SharedPrefix.backward()`` then sends the accumulated gradients
-through the prefix's graph once. Prefixes nest the same way: a group's prefix built on the step's root prefix
-(``parent``, the prompt every group shares) runs only its own tokens on the root's cache and backpropagates into
-the root's leaves; the root's ``backward()`` runs once, after every group's. The result equals running each full sequence separately (values exact,
+through the prefix's graph once. The result equals running each full sequence separately (values exact,
 gradients to float rounding; see tests/training/test_forward.py) at a fraction of the work when the
 prompt is long, and the memory held at any time is one prefix graph plus one micro-batch graph.
+
+Prefixes nest the same way: a group's prefix built on the step's root prefix (``parent``: the prompt every group
+of the step starts with) runs only its own tokens on the root's cache and backpropagates into the root's leaves;
+the root's ``backward()`` runs once, after every group's. The root's graph is then held for the whole step, beside
+one group's prefix graph and one micro-batch graph.
 
 Both forwards run PEFT's LoRA layers fused (``fused_lora.py``) and keep fewer activations (``lean_forward.py``:
 the memory patches, apart from the math here). ``SwiGLU``, ``lean_mlp`` and ``native_gqa_attention`` are
