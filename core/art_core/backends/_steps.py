@@ -179,21 +179,21 @@ class StepRunner:
             await self._lock.acquire()
         finally:
             self.waiting_steps -= 1
-        held = True
-
-        def release_trainer() -> None:
-            nonlocal held
-            if held:
-                held = False
-                self._lock.release()
-
+        holding_trainer = True
         try:
             if self.pause_during_step:
                 self._idle.clear()
-            return await self._step(list(groups), config, progress, options, release_trainer)
+            groups = list(groups)
+            step, metrics, checkpoint, extra = await self._train(groups, config, progress, options)
+            async with self._publishing:
+                if not self.pause_during_step:  # the trainer is free: the next step may train while this publishes
+                    self._lock.release()
+                    holding_trainer = False
+                return await self._publish(step, groups, config, metrics, checkpoint, extra)
         finally:
             self._idle.set()
-            release_trainer()
+            if holding_trainer:
+                self._lock.release()
 
     @asynccontextmanager
     async def serving(self) -> AsyncIterator[None]:
@@ -213,8 +213,11 @@ class StepRunner:
         async with self.hold.admitted():
             yield
 
-    async def _step(self, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig, progress: Progress | None,
-                    options: dict[str, Any], release_trainer: Callable[[], None]) -> StepOutcome:
+    async def _train(self, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig, progress: Progress | None,
+                     options: dict[str, Any]) -> tuple[int, dict[str, Any], Path | None, dict[str, Any]]:
+        """Steps 1-3 of the module docstring. Returns the step to publish (this step's checkpoint, or the one
+        before when nothing was trained), its metrics, its checkpoint folder (None: nothing trained) and the
+        backend's extras."""
         from ..training.checkpoints import write_checkpoint
 
         next_step = self.step + 1
@@ -239,11 +242,7 @@ class StepRunner:
                 await self.hold.resume_after_training(self.step)
             raise
         _warn_dropped_groups(groups, config, next_step - 1, metrics)
-        step = self.step  # this step's checkpoint (or the one before, when nothing was trained)
-        async with self._publishing:
-            if not self.pause_during_step:  # the trainer is free: the next step may train while this one publishes
-                release_trainer()
-            return await self._publish(step, groups, config, metrics, checkpoint, trained.extra)
+        return self.step, metrics, checkpoint, trained.extra
 
     async def _publish(self, step: int, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig,
                        metrics: dict[str, Any], checkpoint: Path | None, extra: dict[str, Any]) -> StepOutcome:

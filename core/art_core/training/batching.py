@@ -110,27 +110,27 @@ def _share_root(planned: list[PrefixGroup], min_shared_prefix: int) -> None:
     prefixes = [g.prefix_ids for g in planned if g.prefix_ids]
     if len(prefixes) < 2:
         return
-    first, n = prefixes[0], min(len(p) for p in prefixes) - 1
-    for ids in prefixes[1:]:
-        i = 0
-        while i < n and ids[i] == first[i]:
-            i += 1
-        n = i
+    n = _common_start(prefixes, min(len(p) for p in prefixes) - 1)
     if n >= min_shared_prefix:
         for group in planned:
             if group.prefix_ids:
                 group.root_length = n
 
 
-def _shared_prefix_length(samples: Sequence[Sample]) -> int:
-    first = samples[0].token_ids
-    n = min(len(s.token_ids) for s in samples) - 1  # every sample keeps at least one suffix token
-    for s in samples[1:]:
-        ids = s.token_ids
+def _common_start(sequences: Sequence[Sequence[int]], limit: int) -> int:
+    """How many leading tokens every sequence shares (at most ``limit``)."""
+    first, n = sequences[0], limit
+    for ids in sequences[1:]:
         i = 0
         while i < n and ids[i] == first[i]:
             i += 1
         n = i
+    return n
+
+
+def _shared_prefix_length(samples: Sequence[Sample]) -> int:
+    # every sample keeps at least one suffix token
+    n = _common_start([s.token_ids for s in samples], min(len(s.token_ids) for s in samples) - 1)
     # A sampled token must get its gradient from its own sequence's logits: stop before the first one.
     first_trained = min(s.trained.index(True) for s in samples)
     return max(0, min(n, first_trained))
