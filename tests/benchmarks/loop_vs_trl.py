@@ -12,6 +12,11 @@ down, initialised to the same values: ``_same_work.reset_adapter``), the same DA
 clip 0.2/0.28, beta=0, group-std advantages), one optimizer step per step (AdamW, constant lr ``--lr``, default
 1e-3 as in the README's adder; clipping at norm 1.0, no weight decay) on all of that step's groups.
 
+``--bf16`` trains every side with bf16 matmuls, each its own way (sampling stays fp32 on both): ours with
+``TrainConfig(base_matmul_dtype="bfloat16")`` (the frozen base weights' GEMMs on a bf16 copy; LoRA, norms,
+attention, LM head and loss in fp32), TRL with ``bf16=True`` (accelerate's bf16 autocast over its training
+forward: every linear layer, the LM head included).
+
 The three sides, each in its own process:
 
 * ``ours_sync``: the README's "Training loop": ``LocalBackend()`` as it defaults (the transformers engine decodes
@@ -212,7 +217,8 @@ class Clock:
 # --------------------------------------------------------------------------------------------------
 
 async def _ours(model_dir: Path, questions: list[tuple[int, int]], scratch: str, *, pipelined: bool,
-                steps: int, per_step: int, group_size: int, max_tokens: int, lr: float) -> dict[str, Any]:
+                steps: int, per_step: int, group_size: int, max_tokens: int, lr: float,
+                bf16: bool) -> dict[str, Any]:
     from art_core import LocalBackend, TrainableModel, TrainConfig, TrajectoryGroup, TransformersOptions, pipeline
 
     t0 = time.perf_counter()
@@ -223,7 +229,8 @@ async def _ours(model_dir: Path, questions: list[tuple[int, int]], scratch: str,
         backend = LocalBackend(path=scratch, show_progress=False)
     model = TrainableModel(name="adder", project="bench", base_model=str(model_dir))
     config = TrainConfig(loss="dapo", beta=0.0, learning_rate=lr, max_grad_norm=MAX_GRAD_NORM, weight_decay=0.0,
-                         tis_cap=None, loss_options={"epsilon_low": EPSILON_LOW, "epsilon_high": EPSILON_HIGH})
+                         tis_cap=None, loss_options={"epsilon_low": EPSILON_LOW, "epsilon_high": EPSILON_HIGH},
+                         base_matmul_dtype="bfloat16" if bf16 else None)
     async with backend:
         await model.register(backend)
         adapter = reset_adapter(backend._models.get(model.spec).trainer.model, SEED)  # the trainer's module
@@ -287,7 +294,7 @@ async def _ours(model_dir: Path, questions: list[tuple[int, int]], scratch: str,
 # --------------------------------------------------------------------------------------------------
 
 def _trl(model_dir: Path, questions: list[tuple[int, int]], scratch: str, *, steps: int, per_step: int,
-         group_size: int, max_tokens: int, lr: float, seed: int) -> dict[str, Any]:
+         group_size: int, max_tokens: int, lr: float, seed: int, bf16: bool) -> dict[str, Any]:
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoTokenizer, TrainerCallback
@@ -299,7 +306,7 @@ def _trl(model_dir: Path, questions: list[tuple[int, int]], scratch: str, *, ste
     t0 = time.perf_counter()
     args = GRPOConfig(
         output_dir=scratch, report_to="none", logging_strategy="steps", logging_steps=1, save_strategy="no",
-        disable_tqdm=True, use_cpu=True, bf16=False, fp16=False, model_init_kwargs={"dtype": "float32"},
+        disable_tqdm=True, use_cpu=True, bf16=bf16, fp16=False, model_init_kwargs={"dtype": "float32"},
         gradient_checkpointing=False,  # ours does not checkpoint; TRL's default (True) would recompute
         per_device_train_batch_size=group_size * per_step, num_generations=group_size,
         gradient_accumulation_steps=1, num_iterations=1, max_steps=steps, shuffle_dataset=False,
@@ -358,13 +365,14 @@ def _trl(model_dir: Path, questions: list[tuple[int, int]], scratch: str, *, ste
 
 
 def run_side(side: str, model_dir: Path, *, steps: int, per_step: int, group_size: int, max_tokens: int,
-             lr: float, threads: int, seed: int) -> dict[str, Any]:
+             lr: float, threads: int, seed: int, bf16: bool = False) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)  # sampling; TRL seeds its trainer with the same
     questions = make_questions(steps * per_step, seed)
-    kwargs = {"steps": steps, "per_step": per_step, "group_size": group_size, "max_tokens": max_tokens, "lr": lr}
+    kwargs = {"steps": steps, "per_step": per_step, "group_size": group_size, "max_tokens": max_tokens, "lr": lr,
+              "bf16": bf16}
     with tempfile.TemporaryDirectory(prefix="loop-bench-") as scratch:
         if side == "trl":
             result = _trl(model_dir, questions, scratch, seed=seed, **kwargs)
@@ -381,7 +389,7 @@ def run_side(side: str, model_dir: Path, *, steps: int, per_step: int, group_siz
 def _spawn(side: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     options = ["--model", str(model_dir), "--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step),
                "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens), "--lr", repr(args.lr),
-               "--threads", str(args.threads), "--seed", str(args.seed)]
+               "--threads", str(args.threads), "--seed", str(args.seed)] + (["--bf16"] if args.bf16 else [])
     return run_side_process(__file__, side, options, threads=args.threads)
 
 
@@ -399,6 +407,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads per process (default 2)")
     parser.add_argument("--seed", type=int, default=SEED,
                         help=f"the questions' order and the sampling seed, the same on every side (default {SEED})")
+    parser.add_argument("--bf16", action="store_true",
+                        help="train with bf16 matmuls on every side: ours TrainConfig(base_matmul_dtype='bfloat16'), "
+                             "TRL GRPOConfig(bf16=True) (autocast); sampling stays fp32 on both")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # internal: run one side
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -406,7 +417,7 @@ def main() -> None:
     if args.side:
         result = run_side(args.side, Path(args.model), steps=args.steps, per_step=args.prompts_per_step,
                           group_size=args.group_size, max_tokens=args.max_tokens, lr=args.lr, threads=args.threads,
-                          seed=args.seed)
+                          seed=args.seed, bf16=args.bf16)
         Path(args.result_file).write_text(json.dumps(result))
         return
 
@@ -465,7 +476,8 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> N
                     for key in ("sample_s", "train_s")} for side in SIDES}
 
     print(f"\nGRPO loop: {steps} steps x {args.prompts_per_step} questions x {args.group_size} completions of at most "
-          f"{args.max_tokens} tokens; model {args.model}; fp32 CPU, {args.threads} threads; {args.rounds} run(s) "
+          f"{args.max_tokens} tokens; model {args.model}; {'bf16 matmuls in training, ' if args.bf16 else ''}fp32 "
+          f"CPU, {args.threads} threads; {args.rounds} run(s) "
           f"per side")
     header = (f"{'side':<16}{'loop s':>8}{'steps/min':>11}{'all runs':>10}{'after 1st':>11}{'load s':>8}"
               f"{'tokens':>8}{'opt steps':>11}{'dropped':>9}{'peak RSS MiB':>14}  basis")
@@ -506,6 +518,7 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> N
         "goal_met": speedup >= GOAL,
         "loop_speedup_sync_vs_trl": round(speedup_sync, 3),
         "loop_speedup_pipelined_vs_sync": round(spm["ours_pipelined"] / spm["ours_sync"], 3),
+        "bf16_matmuls": args.bf16,
         "steps_per_min": {side: round(spm[side], 3) for side in SIDES},
         "loop_s": {side: round(loop_s[side], 2) for side in SIDES},
         "timing_basis": {side: estimate[side][1] for side in SIDES},

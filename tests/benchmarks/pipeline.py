@@ -28,6 +28,8 @@ each bound is synchronous seconds per step over its own (mean over seeds), and t
 success after training minus the synchronous arm's. The last line is a JSON object with ``async_speedup_<layout>``
 (``max_off_policy=1``), ``async_speedup_<layout>_m2``, ``heldout_gap_<layout>`` (points, ``max_off_policy=1``)
 and every arm's figures. The machine may be shared: the load average before and after goes into the JSON.
+``--base-matmul-dtype bfloat16`` trains every arm with ``TrainConfig(base_matmul_dtype="bfloat16")`` (the engines
+still sample in fp32).
 
     python tests/benchmarks/pipeline.py [--layouts ray transformers vllm] [--seeds 0 1 2] [--steps 10]
 
@@ -98,7 +100,7 @@ async def run_arm(layout: str, bound: int, seed: int, args: argparse.Namespace, 
     eval_tasks = make_tasks(args.held_out, seed=seed + 10_000)
     model = TrainableModel(name=f"pipe-{layout}-m{bound}-s{seed}-{uuid.uuid4().hex[:6]}", project="bench",
                            base_model=args.base_model)
-    config = TrainConfig(learning_rate=args.learning_rate)
+    config = TrainConfig(learning_rate=args.learning_rate, base_matmul_dtype=args.base_matmul_dtype)
     async with _backend(layout, bound, root, cluster) as backend:
         await model.register(backend)
         if layout == "vllm":
@@ -203,6 +205,8 @@ def main() -> None:
     parser.add_argument("--held-out", type=int, default=40)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--base-model", default="smollm2-135m-instruct")
+    parser.add_argument("--base-matmul-dtype", choices=["bfloat16"], default=None,
+                        help="TrainConfig.base_matmul_dtype for every arm (default: the model's own, fp32 on CPU)")
     args = parser.parse_args()
     if 0 not in args.bounds:
         parser.error("--bounds must include 0: the synchronous arm every speed-up is measured against")

@@ -37,6 +37,12 @@ Deviations from TRL's defaults, for the sake of same work: ``gradient_checkpoint
 GRPOConfig defaults to True, which would add a recomputed forward to TRL's time and lower its memory),
 ``bf16=False`` (fp32, as ours on CPU), constant learning rate (no scheduler step in the timing).
 
+``--bf16`` adds two sides with bf16 matmuls, each side's own way: ``ours_bf16`` is ours with
+``TrainConfig(base_matmul_dtype="bfloat16")`` (the frozen base weights' GEMMs on a bf16 copy; LoRA, norms,
+attention, LM head and loss in fp32), ``trl_bf16`` is TRL with ``bf16=True`` (accelerate's bf16 autocast over the
+forward: every linear layer, the LM head included, in bf16, the weights cast at each forward). The JSON then has
+``bf16_speedup_ours``/``_trl`` (each side's fp32 step over its bf16 step) and ``speedup_vs_trl_bf16``.
+
 Each side runs in its own subprocess (so peak memory is per side), interleaved round by round:
 ours, TRL, ours without prefix sharing (the ablation that shows where the speed comes from), in
 reverse order every other round. Each run does 1 warm-up step and N timed steps.
@@ -87,6 +93,7 @@ SEED = 0
 GOAL = 5.0  # ours should be at least this many times faster than TRL (issue 17)
 MEMORY_GOAL = 0.3  # and peak RSS at most this fraction of TRL's (issue 17)
 SIDES = ("ours", "trl", "ours_no_prefix_share")
+BF16_SIDES = ("ours_bf16", "trl_bf16")  # with --bf16: both sides' matmuls in bf16, each its own way
 QUIET_OTHERS_CORES = 0.1  # a step is "quiet" when other processes used less CPU than this during it
 MIN_QUIET_STEPS = 2  # per side, to time on quiet steps only
 
@@ -166,7 +173,8 @@ def _measured(step: Any) -> dict[str, float]:
     return {"seconds": seconds, "cpu_seconds": cpu, "others_cores": others / seconds, **out}
 
 
-def _ours_setup(model_dir: Path, work: dict[str, Any], *, share_prefix: bool) -> tuple[Any, str, dict[str, Any]]:
+def _ours_setup(model_dir: Path, work: dict[str, Any], *, share_prefix: bool,
+                bf16: bool = False) -> tuple[Any, str, dict[str, Any]]:
     """Our trainer on the workload; returns (step function, adapter fingerprint, facts to report)."""
     from art_core.config import LoraSettings, TrainConfig
     from art_core.training.trainer import GRPOTrainer, load_policy
@@ -180,7 +188,7 @@ def _ours_setup(model_dir: Path, work: dict[str, Any], *, share_prefix: bool) ->
                    reward=r)
         for c, r in zip(work["completions"], work["rewards"])])
     config = TrainConfig(loss="dapo", beta=0.0, learning_rate=LEARNING_RATE, max_grad_norm=MAX_GRAD_NORM,
-                         share_prefix=share_prefix)
+                         share_prefix=share_prefix, base_matmul_dtype="bfloat16" if bf16 else None)
 
     def step() -> dict[str, float]:
         m = trainer.train_step([group], config)
@@ -192,7 +200,8 @@ def _ours_setup(model_dir: Path, work: dict[str, Any], *, share_prefix: bool) ->
     return step, adapter, {"optimizer": "torch.optim.AdamW", "extra_forward": False}
 
 
-def _trl_setup(model_dir: Path, work: dict[str, Any], scratch: str) -> tuple[Any, str, dict[str, Any]]:
+def _trl_setup(model_dir: Path, work: dict[str, Any], scratch: str, *,
+               bf16: bool = False) -> tuple[Any, str, dict[str, Any]]:
     """TRL's GRPOTrainer with the inputs its compute_loss consumes; same return as ``_ours_setup``."""
     import torch
     from datasets import Dataset
@@ -207,7 +216,7 @@ def _trl_setup(model_dir: Path, work: dict[str, Any], scratch: str) -> tuple[Any
 
     args = GRPOConfig(
         output_dir=scratch, report_to="none", logging_strategy="no", save_strategy="no",
-        use_cpu=True, bf16=False, fp16=False, model_init_kwargs={"dtype": "float32"},
+        use_cpu=True, bf16=bf16, fp16=False, model_init_kwargs={"dtype": "float32"},  # bf16: autocast
         gradient_checkpointing=False,  # ours does not checkpoint; TRL's default (True) would recompute
         per_device_train_batch_size=GROUP_SIZE, num_generations=GROUP_SIZE, gradient_accumulation_steps=1,
         num_iterations=1, max_completion_length=COMPLETION_TOKENS, temperature=1.0,
@@ -281,10 +290,11 @@ def run_side(side: str, model_dir: Path, *, steps: int, threads: int) -> dict[st
     work = make_workload(AutoTokenizer.from_pretrained(model_dir))
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="trl-bench-") as scratch:
-        if side == "trl":
-            step, adapter, info = _trl_setup(model_dir, work, scratch)
+        if side.startswith("trl"):
+            step, adapter, info = _trl_setup(model_dir, work, scratch, bf16=side == "trl_bf16")
         else:
-            step, adapter, info = _ours_setup(model_dir, work, share_prefix=side == "ours")
+            step, adapter, info = _ours_setup(model_dir, work, share_prefix=side != "ours_no_prefix_share",
+                                              bf16=side == "ours_bf16")
         setup_s = time.perf_counter() - t0
         rss_setup = _rss_mib()
         peak_reset = _reset_peak_rss()
@@ -321,7 +331,10 @@ def main() -> None:
                         help="run extra rounds, up to this many, for sides with fewer than "
                              f"{MIN_QUIET_STEPS} quiet steps (default 4)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads per process (default 2)")
-    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # internal: run one side
+    parser.add_argument("--bf16", action="store_true",
+                        help="also run both sides with bf16 matmuls: ours with TrainConfig(base_matmul_dtype="
+                             "'bfloat16'), TRL with GRPOConfig(bf16=True) (autocast)")
+    parser.add_argument("--side", choices=SIDES + BF16_SIDES, help=argparse.SUPPRESS)  # internal: run one side
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -331,11 +344,12 @@ def main() -> None:
         return
 
     model_dir = resolve_model(args.model)
-    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+    sides = SIDES + BF16_SIDES if args.bf16 else SIDES
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     round_index, max_rounds = 0, max(args.max_rounds, args.rounds)
     while round_index < max_rounds:
         # Reversed every other round (ABC CBA ...): a load that drifts over a round hits no side more.
-        order = SIDES if round_index % 2 == 0 else SIDES[::-1]
+        order = sides if round_index % 2 == 0 else sides[::-1]
         if round_index >= args.rounds:  # extra rounds: only for the sides still short of quiet steps
             order = tuple(side for side in order if _quiet_steps(runs[side]) < MIN_QUIET_STEPS)
             if not order:
@@ -366,6 +380,7 @@ def _quiet_steps(runs: list[dict[str, Any]]) -> int:
 def report(runs: dict[str, list[dict[str, Any]]], *, model_name: str, model_dir: Path, threads: int,
            rounds: int, steps: int) -> None:
     """Print the table, the checks, and (last) the JSON line."""
+    sides = tuple(runs)
     timed = {side: [t for r in rs for t in r["timed"]] for side, rs in runs.items()}  # every timed step
     quiet = {side: [t for t in ts if t["others_cores"] < QUIET_OTHERS_CORES] for side, ts in timed.items()}
     # Other processes only ever add time, and on 2 cores they add a lot: time on the quiet steps when
@@ -377,13 +392,13 @@ def report(runs: dict[str, list[dict[str, Any]]], *, model_name: str, model_dir:
         values = [t[key] for t in steps_by_side[side] if key in t]
         return statistics.median(values) if values else math.nan
 
-    step_s = {side: med(side, "seconds") for side in SIDES}
-    all_s = {side: med(side, "seconds", timed) for side in SIDES}
-    best_s = {side: min(t["seconds"] for t in timed[side]) for side in SIDES}
-    peak = {side: max(r["peak_rss_mib"] for r in runs[side]) for side in SIDES}
-    growth = {side: max(r["step_rss_growth_mib"] for r in runs[side]) for side in SIDES}
-    tokens = {side: runs[side][0]["first"]["forward_tokens"] for side in SIDES}
-    first = {side: runs[side][0]["first"] for side in SIDES}
+    step_s = {side: med(side, "seconds") for side in sides}
+    all_s = {side: med(side, "seconds", timed) for side in sides}
+    best_s = {side: min(t["seconds"] for t in timed[side]) for side in sides}
+    peak = {side: max(r["peak_rss_mib"] for r in runs[side]) for side in sides}
+    growth = {side: max(r["step_rss_growth_mib"] for r in runs[side]) for side in sides}
+    tokens = {side: runs[side][0]["first"]["forward_tokens"] for side in sides}
+    first = {side: runs[side][0]["first"] for side in sides}
     speedup = step_s["trl"] / step_s["ours"]
     basis_name = f"quiet steps (others < {QUIET_OTHERS_CORES} core)" if use_quiet else "all steps (too few quiet)"
 
@@ -394,7 +409,7 @@ def report(runs: dict[str, list[dict[str, Any]]], *, model_name: str, model_dir:
               f"{'fwd tokens':>12}{'peak RSS MiB':>14}{'step +RSS MiB':>15}")
     print(header)
     print("-" * len(header))
-    for side in SIDES:
+    for side in sides:
         print(f"{side:<22}{step_s[side]:>8.2f}{all_s[side]:>8.2f}{best_s[side]:>8.2f}"
               f"{len(quiet[side]):>4}/{len(timed[side]):<2}{med(side, 'seconds_forward_backward'):>11.2f}"
               f"{med(side, 'seconds_optimizer'):>9.3f}{tokens[side]:>12.0f}{peak[side]:>14.0f}{growth[side]:>15.0f}")
@@ -410,8 +425,17 @@ def report(runs: dict[str, list[dict[str, Any]]], *, model_name: str, model_dir:
     print(f"TRL extra no-grad forward for old_per_token_logps in its normal path: "
           f"{'yes (timed)' if runs['trl'][0]['extra_forward'] else 'no'}; TRL optimizer: "
           f"{runs['trl'][0]['optimizer']}")
+    bf16: dict[str, Any] = {}
+    if "ours_bf16" in runs:
+        bf16 = {"ours_bf16_step_s": round(step_s["ours_bf16"], 4), "trl_bf16_step_s": round(step_s["trl_bf16"], 4),
+                "bf16_speedup_ours": round(step_s["ours"] / step_s["ours_bf16"], 3),
+                "bf16_speedup_trl": round(step_s["trl"] / step_s["trl_bf16"], 3),
+                "speedup_vs_trl_bf16": round(step_s["trl_bf16"] / step_s["ours_bf16"], 3)}
+        print(f"bf16 matmuls: ours {bf16['bf16_speedup_ours']:.2f}x faster than its fp32 step "
+              f"(TrainConfig(base_matmul_dtype='bfloat16')), TRL {bf16['bf16_speedup_trl']:.2f}x (bf16=True: "
+              f"autocast); ours vs TRL, both bf16: {bf16['speedup_vs_trl_bf16']:.2f}x")
     print("first step (same weights, same tokens):")
-    for side in SIDES:
+    for side in sides:
         f = first[side]
         print(f"  {side:<22} loss {f['loss']:+.3e}  grad_norm {f['grad_norm']:.6f}  entropy {f['entropy']:.6f}")
     loss_diff = abs(first["ours"]["loss"] - first["trl"]["loss"])
@@ -444,8 +468,8 @@ def report(runs: dict[str, list[dict[str, Any]]], *, model_name: str, model_dir:
         "ours_forward_tokens": tokens["ours"],
         "trl_forward_tokens": tokens["trl"],
         "steps": {side: [[round(t["seconds"], 3), round(t["others_cores"], 2)] for t in timed[side]]
-                  for side in SIDES},
-        "first_step": {side: {k: first[side][k] for k in ("loss", "grad_norm", "entropy")} for side in SIDES},
+                  for side in sides},
+        "first_step": {side: {k: first[side][k] for k in ("loss", "grad_norm", "entropy")} for side in sides},
         "first_step_agree": agree,
         "trl_extra_old_logps_forward": runs["trl"][0]["extra_forward"],
         "model": model_name,
@@ -455,6 +479,7 @@ def report(runs: dict[str, list[dict[str, Any]]], *, model_name: str, model_dir:
         "torch_threads": threads,
         "rounds": rounds,
         "timed_steps_per_round": steps,
+        **bf16,
     }))
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from art_core import CallRecord, TrainConfig, Trajectory, TrajectoryGroup
+from art_core import CallRecord, SFTConfig, TrainConfig, Trajectory, TrajectoryGroup
 from art_core.config import LoraSettings
 from art_core.training.batching import plan_micro_batches
 from art_core.training.forward import SharedPrefix, micro_batch_logprobs
@@ -119,6 +119,36 @@ def test_the_prompt_every_group_starts_with_runs_once_per_step(tiny_model_dir, b
     assert abs(m_shared["loss"] - m_full["loss"]) < 1e-6
     for name in w_full:
         torch.testing.assert_close(w_shared[name], w_full[name], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sft", [False, True])
+def test_a_step_with_bf16_base_matmuls_moves_the_adapter_as_fp32_does(tiny_model_dir, sft):
+    """``base_matmul_dtype="bfloat16"``: the step's loss and its change to every LoRA weight agree with the fp32
+    step's to bf16 rounding (not bit for bit: the copy was used), the adapter stays fp32, the base is untouched."""
+    groups = [_group(4, prompt_len=12), _group(5, prompt_len=7, completions=(4, 8, 6))]
+    results = []
+    for dtype in (None, "bfloat16"):
+        torch.manual_seed(0)
+        model, tokenizer = load_policy(tiny_model_dir, LoraSettings(), device="cpu")
+        for p in model.parameters():
+            if p.requires_grad:
+                torch.nn.init.normal_(p, std=0.05)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        trainer = GRPOTrainer(model, tokenizer)
+        config = (SFTConfig(learning_rate=1e-3, base_matmul_dtype=dtype) if sft else
+                  TrainConfig(learning_rate=1e-3, micro_batch_tokens=64, tis_cap=None, base_matmul_dtype=dtype))
+        metrics = trainer.train_step(groups, config)
+        trained = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if n not in trained)
+        results.append((metrics["loss"], {n: p.detach() - before[n] for n, p in model.named_parameters()
+                                          if n in trained}))
+    (loss32, moves32), (loss16, moves16) = results
+    assert abs(loss16 - loss32) < 0.02 * abs(loss32) + 1e-3  # GRPO's on-policy loss value is the ratio-1 one
+    flat32 = torch.cat([m.flatten() for m in moves32.values()])
+    flat16 = torch.cat([moves16[n].flatten() for n in moves32])
+    assert not torch.equal(flat16, flat32)
+    assert torch.nn.functional.cosine_similarity(flat16, flat32, dim=0) > 0.99
 
 
 def test_a_prefix_must_extend_its_parent(tiny_model_dir):
@@ -274,3 +304,24 @@ def test_lean_activations_give_the_same_bits(tiny_model_dir, monkeypatch):
     for name in plain_grads:
         assert torch.equal(lean_grads[name], plain_grads[name]), name
     assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_bf16_base_matmuls_warn_once_on_a_cpu_that_emulates_bf16(tiny_model_dir, monkeypatch):
+    """Where /proc/cpuinfo shows no AVX512-BF16 or AMX-BF16, bf16 GEMMs are slower than fp32's: the first step
+    that asks for them says so. This machine has native bf16, so the CPU check is faked (what cannot run here)."""
+    import warnings
+
+    from art_core.training import trainer as trainer_module
+
+    def emulated_warnings(trainer: GRPOTrainer) -> int:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train_step(groups, TrainConfig(base_matmul_dtype="bfloat16"))
+        return sum("emulated and slower than float32" in str(w.message) for w in caught)
+
+    groups = [_group(4, prompt_len=12)]
+    monkeypatch.setattr(trainer_module, "cpu_has_native_bf16", lambda: False)
+    trainer = GRPOTrainer(*load_policy(tiny_model_dir, LoraSettings(), device="cpu"))
+    assert [emulated_warnings(trainer), emulated_warnings(trainer)] == [1, 0]  # once per trainer
+    monkeypatch.setattr(trainer_module, "cpu_has_native_bf16", lambda: True)
+    assert emulated_warnings(GRPOTrainer(*load_policy(tiny_model_dir, LoraSettings(), device="cpu"))) == 0

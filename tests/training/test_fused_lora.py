@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from art_core.config import LoraSettings
-from art_core.training.fused_lora import LoraLinear, fused_lora
+import gc
+
+from art_core.training.fused_lora import LoraLinear, base_matmuls, fused_lora
 from art_core.training.trainer import load_policy
 
 
@@ -79,3 +81,62 @@ def test_fused_lora_leaves_what_it_cannot_fuse_to_peft(tiny_model_dir):
     assert torch.equal(fused_disabled, base)
     torch.testing.assert_close(adapted, peft, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(adapted, base)  # the adapter does act when enabled
+
+
+def test_a_bf16_base_changes_only_the_base_products():
+    """``LoraLinear`` given a bf16 copy of W: the base product, forward and backward, is bf16's (exact to bf16
+    inputs, rounded once to bf16), the LoRA path and its gradients are the fp32 path's bit for bit."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 64)
+    weight, bias = torch.randn(48, 64), torch.randn(48)
+    lora_a, lora_b = torch.randn(4, 64) * 0.1, torch.randn(48, 4) * 0.1
+    upstream = torch.randn(6, 48)
+    runs = []
+    for base in (None, weight.bfloat16()):
+        xs, a, b = (t.clone().requires_grad_(True) for t in (x, lora_a, lora_b))
+        out = LoraLinear.apply(xs, weight, bias, a, b, 2.0, base)
+        out.backward(upstream)
+        runs.append((out.detach(), xs.grad, a.grad, b.grad))
+    (out32, gx32, ga32, gb32), (out16, gx16, ga16, gb16) = runs
+    lora = 2.0 * (x.double() @ lora_a.double().t()) @ lora_b.double().t()
+    base_exact = x.bfloat16().double() @ weight.bfloat16().double().t()  # bf16 inputs, exact products
+    base16 = out16.double() - bias.double() - lora
+    assert ((base16 - base_exact).abs() <= base_exact.abs() * 2**-8 + 1e-4).all()  # one bf16 rounding
+    assert (out16 - out32).abs().max() > 1e-3  # bf16 was used: fp32 agrees to ~1e-5
+    torch.testing.assert_close(out16, out32, atol=0.1, rtol=0.02)
+    grad_base_exact = upstream.bfloat16().double() @ weight.bfloat16().double()
+    grad_base16 = gx16.double() - 2.0 * (upstream.double() @ lora_b.double()) @ lora_a.double()
+    assert ((grad_base16 - grad_base_exact).abs() <= grad_base_exact.abs() * 2**-8 + 1e-4).all()
+    assert torch.equal(ga16, ga32) and torch.equal(gb16, gb32)  # the LoRA gradients never see the base copy
+
+
+def test_base_matmuls_keep_one_copy_per_weight_for_as_long_as_it_lives(tiny_model_dir):
+    """Within ``base_matmuls``: one bf16 copy per fused layer, made at the first forward and reused after, remade
+    when its weight changes in place, dropped with the weight; logits within bf16 rounding of fp32's; outside the
+    block the model computes in fp32 again."""
+    torch.manual_seed(0)
+    model, _ = load_policy(tiny_model_dir, LoraSettings(), device="cpu")
+    _randomised(model)
+    ids = torch.randint(10, 1000, (2, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), fused_lora(model):
+        fp32 = model(input_ids=ids).logits
+    copies: dict = {}
+    layers = model.config.num_hidden_layers * len(model.peft_config["default"].target_modules)
+    with fused_lora(model), base_matmuls(torch.bfloat16, copies):
+        low = model(input_ids=ids).logits
+        made = {key: entry[2] for key, entry in copies.items()}
+        model(input_ids=ids).logits.sum().backward()
+        assert len(copies) == layers and all(copies[key][2] is made[key] for key in made)  # reused
+        q_proj = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+        with torch.no_grad():
+            q_proj.mul_(1.0)  # an in-place change (as a merge makes): the copy is remade
+        model(input_ids=ids)
+        assert copies[id(q_proj)][2] is not made[id(q_proj)]
+    assert all(entry[2].dtype == torch.bfloat16 for entry in copies.values())
+    assert (low - fp32).abs().max() > 1e-4
+    torch.testing.assert_close(low, fp32, atol=0.05, rtol=0.05)
+    with torch.no_grad(), fused_lora(model):
+        assert torch.equal(model(input_ids=ids).logits, fp32)  # the block is over: fp32 products again
+    del model, q_proj
+    gc.collect()
+    assert copies == {}

@@ -40,6 +40,7 @@ from .batching import MicroBatch, PrefixGroup, plan_micro_batches
 from .checkpoints import MARKER
 from .distributed import StepSync
 from .forward import SharedPrefix, micro_batch_logprobs
+from .fused_lora import BaseCopies, base_matmuls, cpu_has_native_bf16
 from .loading import load_policy  # re-exported: its home before training/loading.py
 from .losses import LossInputs
 from .objectives import GRPOObjective, Objective, SFTObjective, Weights
@@ -109,6 +110,9 @@ class GRPOTrainer:
         # first step (its momentum dropped if that step is of the other kind).
         self._pending_optimizer_state: dict[str, Any] | None = None
         self._pending_optimizer_kind: str | None = None
+        self._base_copies: BaseCopies = {}
+        self._warned_bf16 = False
+        """Low-precision copies of the frozen base weights (``TrainConfig.base_matmul_dtype``), made at first use."""
 
     # -- the step -------------------------------------------------------------------------------------
 
@@ -143,11 +147,14 @@ class GRPOTrainer:
             TrainingError: the loss or gradient was not finite; the step was not applied. Or an in-process
                 engine decodes this module and is not paused (``_ownership.py``); nothing was changed.
         """
+        base_dtype = self._base_matmul_dtype(config)
         if isinstance(config, SFTConfig):
-            return self._train_sft(groups, config, objective or SFTObjective(), progress, sync, shard)
+            with base_matmuls(base_dtype, self._base_copies):
+                return self._train_sft(groups, config, objective or SFTObjective(), progress, sync, shard)
         t_start = time.perf_counter()
         objective = objective or GRPOObjective.from_config(config)
-        with module_ownership(self.model).training():  # an engine sharing the module is paused until we are done
+        # an engine sharing the module is paused until we are done
+        with module_ownership(self.model).training(), base_matmuls(base_dtype, self._base_copies):
             # 0. staleness: groups sampled too many steps ago are dropped before any of their tokens is read
             kept, stale_metrics = _drop_stale(groups, config, policy_step)
             # 1. advantages: the objective weighs each trajectory from the rewards (GRPO drops groups that teach nothing)
@@ -174,6 +181,19 @@ class GRPOTrainer:
                        seconds_prepare=t_prepared - t_start, seconds_forward_backward=t_backward - t_prepared,
                        seconds_optimizer=t_end - t_backward, seconds_total=t_end - t_start)
         return metrics
+
+    def _base_matmul_dtype(self, config: TrainConfig | SFTConfig) -> torch.dtype | None:
+        """``config.base_matmul_dtype`` as a torch dtype; warns (once per trainer) where bf16 is emulated."""
+        if config.base_matmul_dtype is None:
+            return None
+        dtype = getattr(torch, config.base_matmul_dtype)
+        if (not self._warned_bf16 and dtype == torch.bfloat16 and self.params[0].device.type == "cpu"
+                and cpu_has_native_bf16() is False):
+            self._warned_bf16 = True
+            warnings.warn("base_matmul_dtype='bfloat16' on a CPU without native bf16 (no AVX512-BF16 or AMX-BF16 "
+                          "in /proc/cpuinfo): its bf16 matmuls are emulated and slower than float32's; leave "
+                          "base_matmul_dtype unset on this machine", stacklevel=3)
+        return dtype
 
     def _samples(self, groups: Sequence[TrajectoryGroup], weights: Weights, config: TrainConfig,
                  policy_step: int | None) -> list[list[Sample]]:
