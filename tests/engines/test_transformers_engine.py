@@ -92,29 +92,58 @@ async def test_requests_wait_while_paused(engine):
     assert out.token_ids
 
 
-async def test_load_adapter_swaps_without_reloading_the_base(engine, tiny_model_dir, tmp_path):
+def _save_adapter(model_dir, folder, *, seed: int, rank: int = 8) -> None:
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    adapter = get_peft_model(base, LoraConfig(r=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    adapter = get_peft_model(base, LoraConfig(r=rank, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     for name, p in adapter.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.5)  # a large change, so greedy output must differ
-    adapter.save_pretrained(tmp_path / "adapter")
+    adapter.save_pretrained(folder)
+
+
+def _logprobs_of(model, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
+
+
+async def test_load_adapter_swaps_without_reloading_the_base(engine, tiny_model_dir, tmp_path):
+    """The first adapter is loaded onto the base; the next checkpoints of its shape are copied into its tensors
+    (no new LoRA modules), one of another shape replaces it; each serves exactly what a fresh load would."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    for seed, folder, rank in ((0, "a", 8), (1, "b", 8), (2, "c", 4)):
+        _save_adapter(tiny_model_dir, tmp_path / folder, seed=seed, rank=rank)
+
+    def fresh(folder: str) -> torch.Tensor:
+        reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / folder)
+        return _logprobs_of(reference.eval(), PROMPTS[0])
 
     before = (await engine.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0)))[0].token_ids
     base_weight = engine.model.model.layers[0].mlp.up_proj.weight
-    await engine.load_adapter(tmp_path / "adapter", step=3)
+    await engine.load_adapter(tmp_path / "a", step=3)
     assert engine.adapter_step == 3
     after = await engine.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0))
     assert after[0].adapter_step == 3 and after[0].token_ids != before
     assert engine.model.get_base_model().model.layers[0].mlp.up_proj.weight is base_weight  # base not reloaded
-    await engine.load_adapter(tmp_path / "adapter", step=4)  # swap again: the old adapter is dropped
-    assert list(engine.model.peft_config) == ["step-4"]
+    torch.testing.assert_close(_logprobs_of(engine.model, PROMPTS[0]), fresh("a"), atol=1e-5, rtol=1e-5)
+
+    lora_a = engine.model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["step-3"].weight
+    await engine.load_adapter(tmp_path / "b", step=4)  # the next checkpoint: copied in place
+    assert engine.adapter_step == 4 and list(engine.model.peft_config) == ["step-3"]
+    assert engine.model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["step-3"].weight is lora_a
+    torch.testing.assert_close(_logprobs_of(engine.model, PROMPTS[0]), fresh("b"), atol=1e-5, rtol=1e-5)
+    assert (await engine.generate(PROMPTS[0], SamplingParams(max_tokens=1)))[0].adapter_step == 4
+
+    await engine.load_adapter(tmp_path / "c", step=5)  # another rank: loaded beside, the old one dropped
+    assert list(engine.model.peft_config) == ["step-5"]
+    torch.testing.assert_close(_logprobs_of(engine.model, PROMPTS[0]), fresh("c"), atol=1e-5, rtol=1e-5)
     with pytest.raises(ArtError, match="adapter_config.json"):
-        await engine.load_adapter(tmp_path / "missing", step=5)
-    assert engine.adapter_step == 4  # still serving the last good one
+        await engine.load_adapter(tmp_path / "missing", step=6)
+    assert engine.adapter_step == 5  # still serving the last good one
 
 
 # -- continuous batching: rows join a running batch and leave it as soon as they finish -------------------

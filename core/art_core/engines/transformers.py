@@ -53,6 +53,7 @@ import torch
 from .._ownership import module_ownership
 from .._threads import HELPERS, OwnThreads
 from ..errors import ArtError, EngineError
+from ._adapter_swap import load_into_active_adapter
 from ._batch import RunningBatch
 from ._packed import PackedLinears
 from ._prefix import PrefixCache
@@ -222,7 +223,9 @@ class TransformersEngine:
     async def load_adapter(self, path: Path, step: int) -> None:
         """Load a PEFT adapter from ``path`` and serve it from the next request on, without reloading the base.
 
-        Requests being decoded finish on the old adapter first; new ones wait for the swap.
+        Requests being decoded finish on the old adapter first; new ones wait for the swap. An adapter of the
+        served one's shape (the next checkpoint) is copied into its tensors (``load_into_active_adapter``);
+        any other is loaded beside it, then the old one is deleted.
         """
         check_adapter_path(Path(path))
         was_serving = self._serving is None or self._serving.is_set()
@@ -232,7 +235,9 @@ class TransformersEngine:
             from peft import PeftModel
 
             name = f"step-{step}"
-            if isinstance(self.model, PeftModel):
+            if isinstance(self.model, PeftModel) and load_into_active_adapter(self.model, Path(path)):
+                pass  # a later checkpoint of the adapter served: copied into its tensors
+            elif isinstance(self.model, PeftModel):
                 previous = self.model.active_adapter
                 self.model.load_adapter(str(path), adapter_name=name)
                 self.model.set_adapter(name)
