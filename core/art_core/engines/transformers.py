@@ -235,16 +235,14 @@ class TransformersEngine:
             from peft import PeftModel
 
             name = f"step-{step}"
-            if isinstance(self.model, PeftModel) and load_into_active_adapter(self.model, Path(path)):
-                pass  # a later checkpoint of the adapter served: copied into its tensors
-            elif isinstance(self.model, PeftModel):
+            if not isinstance(self.model, PeftModel):
+                self.model = PeftModel.from_pretrained(self.model, str(path), adapter_name=name)
+            elif not load_into_active_adapter(self.model, Path(path)):  # not the served adapter's shape
                 previous = self.model.active_adapter
                 self.model.load_adapter(str(path), adapter_name=name)
                 self.model.set_adapter(name)
                 if previous != name and previous in self.model.peft_config:
                     self.model.delete_adapter(previous)
-            else:
-                self.model = PeftModel.from_pretrained(self.model, str(path), adapter_name=name)
             self.model.eval()
 
         try:
