@@ -111,8 +111,8 @@ class GRPOTrainer:
         self._pending_optimizer_state: dict[str, Any] | None = None
         self._pending_optimizer_kind: str | None = None
         self._base_copies: BaseCopies = {}
-        self._warned_bf16 = False
         """Low-precision copies of the frozen base weights (``TrainConfig.base_matmul_dtype``), made at first use."""
+        self._warned_bf16 = False  # the emulated-bf16 warning is given once per trainer
 
     # -- the step -------------------------------------------------------------------------------------
 
