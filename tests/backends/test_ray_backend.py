@@ -155,6 +155,12 @@ async def test_ray_backend_scenario(cluster: Any, scripted_dir: Path, tmp_path: 
         assert model.step == 2 and metrics["trained"] == 1.0 and router.adapter_step == 2
         assert len(await backend.history(model.spec)) == 2
 
+        # Each replica and rank keeps the adapters it received in a temporary folder of its own.
+        actors = [*router.replicas, *backend.trainer_group(model.spec).ranks]
+        scratch = [Path(await a.__ray_call__.remote(lambda actor: str(actor._scratch))) for a in actors]
+        assert len(scratch) == 3 and all(folder.is_dir() for folder in scratch)
+    assert not [folder for folder in scratch if folder.exists()], "closing the backend removed the actors' folders"
+
 
 def _token_groups(seed: int) -> list[TrajectoryGroup]:
     """Four groups of three one-call trajectories with token ids only (no text), of unequal lengths and rewards."""

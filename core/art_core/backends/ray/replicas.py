@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import tempfile
 from collections import OrderedDict
 from pathlib import Path
@@ -72,6 +73,7 @@ class EngineReplica:
             raise EngineError(f"replica engine {engine!r} is not available: use 'transformers' or 'vllm'")
         if num_threads is not None:
             torch.set_num_threads(num_threads)
+        self._own_scratch = scratch is None  # a folder made here is removed by aclose; one given is the caller's
         self._scratch = Path(scratch or tempfile.mkdtemp(prefix="art-replica-"))
         self._scratch.mkdir(parents=True, exist_ok=True)
         self._kind, self._base_dir, self._lora, self._vllm = engine, base_dir, lora, vllm or {}
@@ -170,8 +172,11 @@ class EngineReplica:
         return await HELPERS.run(score)
 
     async def aclose(self) -> None:
+        """Stop the engine and remove the temporary folder made at start (``ray.kill`` runs no finalizer)."""
         if self.engine is not None:
             await self.engine.aclose()
+        if self._own_scratch:
+            shutil.rmtree(self._scratch, ignore_errors=True)
 
     def _write(self, files: dict[str, bytes], step: int) -> Path:
         folder = self._scratch / f"step-{step:04d}"

@@ -16,6 +16,7 @@ frozen base over the ranks; the adapter stays whole on each (``training/distribu
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
 import tempfile
 from collections.abc import Sequence
@@ -142,10 +143,12 @@ class TrainerRank:
         return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.name.startswith("adapter_")}
 
     def leave(self) -> None:
+        """Leave the process group and remove this rank's temporary folder (``ray.kill`` runs no finalizer)."""
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
+        shutil.rmtree(self._scratch, ignore_errors=True)
 
 
 class _RecordingSync:
