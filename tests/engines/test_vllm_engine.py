@@ -298,8 +298,11 @@ async def test_throughput_eight_concurrent_requests(engine: Any) -> None:
 async def test_aclose_stops_the_process(engine: Any) -> None:
     # Last in the module: the shared engine is closed from here on.
     pid = engine.process.pid
+    # vLLM's ZeroMQ sockets are in a temp folder of the server's own, which goes with it.
+    assert engine.temp_dir.is_dir() and any(p.is_socket() for p in engine.temp_dir.iterdir())
     await engine.aclose()
     assert engine.process.poll() is not None
+    assert not engine.temp_dir.exists()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     with pytest.raises(ProcessLookupError):

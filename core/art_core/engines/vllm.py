@@ -35,8 +35,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import getpass
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -102,7 +105,8 @@ class VLLMEngine:
     """
 
     def __init__(self, *, process: subprocess.Popen[bytes], port: int, log_path: Path, tokenizer: Any,
-                 sleep_mode: bool, request_timeout: float, adapters: AdapterMode = "lora") -> None:
+                 sleep_mode: bool, request_timeout: float, adapters: AdapterMode = "lora",
+                 temp_dir: Path | None = None) -> None:
         self.tokenizer = tokenizer
         self.adapters: AdapterMode = adapters
         self.process = process
@@ -114,6 +118,7 @@ class VLLMEngine:
             timeout=httpx.Timeout(request_timeout, connect=10.0),
             trust_env=False,  # loopback: never go through a proxy from the environment
         )
+        self.temp_dir = temp_dir  # the server's TMPDIR, removed by aclose()
         self._state = _State.RUNNING
         self._adapter_step = 0
         self._model_name = BASE_MODEL_NAME
@@ -228,6 +233,13 @@ class VLLMEngine:
             "TRANSFORMERS_OFFLINE": "1",
             **(env or {}),
         }
+        # vLLM leaves its ZeroMQ sockets and torch.distributed store files in the temp folder when stopped; a
+        # folder of the server's own, removed by aclose(), keeps them out of the system's. Inductor's compile cache
+        # stays where torch puts it by default (<system temp>/torchinductor_<user>), so later starts reuse it.
+        private_tmp = Path(tempfile.mkdtemp(prefix=f"vllm-{port}-tmp-"))
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                       str(Path(tempfile.gettempdir()) / f"torchinductor_{_sanitized_user()}"))
+        env["TMPDIR"] = str(private_tmp)
         # Our own venv's site-packages must not leak into vLLM's interpreter.
         env.pop("PYTHONPATH", None)
         env.pop("VIRTUAL_ENV", None)
@@ -241,10 +253,14 @@ class VLLMEngine:
             log.write(f"$ {' '.join(cmd)}\n".encode())
             log.flush()
             # Own process group, so aclose() can stop vLLM's engine-core children with it, and nothing else.
-            process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env=env, start_new_session=True)
+            try:
+                process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           env=env, start_new_session=True)
+            except BaseException:
+                shutil.rmtree(private_tmp, ignore_errors=True)
+                raise
         engine = cls(process=process, port=port, log_path=log_path, tokenizer=tokenizer, sleep_mode=sleep_mode,
-                     request_timeout=request_timeout, adapters=adapters)
+                     request_timeout=request_timeout, adapters=adapters, temp_dir=private_tmp)
         try:
             await engine._wait_healthy(startup_timeout)
         except BaseException:
@@ -282,7 +298,8 @@ class VLLMEngine:
                               f"its log is {self.log_path}. Last lines:\n{self._log_tail(15)}")
 
     async def aclose(self) -> None:
-        """Stop the server: SIGTERM to its process group, SIGKILL what is left after 30 s. Idempotent.
+        """Stop the server: SIGTERM to its process group, SIGKILL what is left after 30 s; remove its temp folder.
+        Idempotent.
 
         Returns once the whole group (the API server and vLLM's engine-core children) is gone, or after
         a further 10 s.
@@ -302,6 +319,8 @@ class VLLMEngine:
         if not await self._wait_group_gone(30.0):
             _signal_group(self.process, signal.SIGKILL)
             await self._wait_group_gone(10.0)
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     async def _wait_group_gone(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -577,6 +596,11 @@ class VLLMEngine:
             return response.json()
         except json.JSONDecodeError:
             return response.text
+
+
+def _sanitized_user() -> str:
+    """The user name as torch's inductor puts it in its default cache folder's name."""
+    return re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
 
 
 def _free_port() -> int:
