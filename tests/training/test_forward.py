@@ -7,7 +7,7 @@ import torch
 
 from art_core import CallRecord, SFTConfig, TrainConfig, Trajectory, TrajectoryGroup
 from art_core.config import LoraSettings
-from art_core.training.batching import plan_micro_batches
+from art_core.training.batching import PackedGroups, PrefixGroup, plan_micro_batches
 from art_core.training.forward import SharedPrefix, micro_batch_logprobs
 from art_core.training.samples import trajectory_samples
 from art_core.training.trainer import GRPOTrainer, load_policy
@@ -119,6 +119,61 @@ def test_the_prompt_every_group_starts_with_runs_once_per_step(tiny_model_dir, b
     assert abs(m_shared["loss"] - m_full["loss"]) < 1e-6
     for name in w_full:
         torch.testing.assert_close(w_shared[name], w_full[name], atol=1e-6, rtol=1e-5)
+
+
+class _KeepGradients:
+    """A one-process ``StepSync`` that keeps a copy of the step's summed gradients (the step then applies them)."""
+
+    def __init__(self) -> None:
+        self.kept: list[torch.Tensor] = []
+
+    def sum(self, values: list[float]) -> list[float]:
+        return values
+
+    def gradients(self, params) -> None:
+        self.kept = [p.grad.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize(("system_tokens", "beta"), [(24, 0.0), (24, 0.1), (0, 0.0)])
+def test_packed_groups_train_as_each_sequence_run_whole(tiny_model_dir, system_tokens, beta):
+    """Small groups are packed: their prompts run as one batch (on the root prefix when they share one) and their
+    completions share a micro-batch, each row behind its own prompt. The step's log-probs, loss and gradient are
+    those of running every sequence whole (with a KL term too: the reference model's prompts are packed the same
+    way); a budget too small to pack into fewer micro-batches leaves the groups apart."""
+    system = torch.randint(10, 1000, (system_tokens,), generator=torch.Generator().manual_seed(9)).tolist()
+    tasks = [n + (0 if system else 20) for n in (12, 7, 9)]  # without a root, each prompt long enough to share
+    groups = [_group(4, prompt_len=tasks[0], system=system),
+              _group(5, prompt_len=tasks[1], completions=(4, 8, 6), system=system),
+              _group(6, prompt_len=tasks[2], completions=(5, 2), system=system)]
+    samples = [[s for t in g for s in trajectory_samples(t)] for g in groups]
+    (packed,) = plan_micro_batches(samples, token_budget=4096, pack_groups=True)
+    assert isinstance(packed, PackedGroups) and len(packed.micro_batches) == 1
+    assert packed.root_length == system_tokens and [len(p) for p in packed.prefixes] == [
+        system_tokens + n for n in tasks]
+    (mb,) = packed.micro_batches
+    assert sorted(mb.prefix_rows.tolist()) == [0] * 4 + [1] * 3 + [2] * 2
+    assert all(isinstance(pg, PrefixGroup) for pg in plan_micro_batches(samples, token_budget=64, pack_groups=True))
+
+    results = []
+    for share in (True, False):
+        torch.manual_seed(0)
+        model, tokenizer = load_policy(tiny_model_dir, LoraSettings(), device="cpu")
+        for p in model.parameters():  # a non-zero adapter, so LoRA gradients flow through every path
+            if p.requires_grad:
+                torch.nn.init.normal_(p, std=0.05)
+        sync = _KeepGradients()
+        metrics = GRPOTrainer(model, tokenizer).train_step(
+            groups, TrainConfig(share_prefix=share, tis_cap=None, beta=beta), sync=sync)
+        results.append((metrics, sync.kept))
+    (m_packed, g_packed), (m_whole, g_whole) = results
+    assert m_packed["micro_batches"] == 1 and m_whole["micro_batches"] == 3  # unshared: one per group
+    suffixes = sum(len(s.token_ids) - len(prompt) for g, prompt in zip(samples, packed.prefixes) for s in g)
+    assert m_packed["forward_tokens"] == system_tokens + sum(tasks) + suffixes  # real tokens, padding not counted
+    assert abs(m_packed["loss"] - m_whole["loss"]) < 1e-6
+    assert abs(m_packed["entropy"] - m_whole["entropy"]) < 1e-5
+    assert g_whole and any(float(g.abs().max()) > 0 for g in g_whole)
+    for packed_grad, whole_grad in zip(g_packed, g_whole, strict=True):
+        torch.testing.assert_close(packed_grad, whole_grad, atol=1e-6, rtol=1e-4)
 
 
 @pytest.mark.parametrize("sft", [False, True])

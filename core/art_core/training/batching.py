@@ -21,7 +21,7 @@ import torch
 
 from .samples import Sample
 
-__all__ = ["MicroBatch", "PrefixGroup", "plan_micro_batches"]
+__all__ = ["MicroBatch", "PackedGroups", "PrefixGroup", "plan_micro_batches"]
 
 
 @dataclass
@@ -37,6 +37,9 @@ class MicroBatch:
     behaviour_logprobs: torch.Tensor | None = None
     """[B, T] float, the behaviour policy's log-probs where a sample gave them (NaN elsewhere); None when no
     sample of the micro-batch did (on-policy: no tensor is built)."""
+    prefix_rows: torch.Tensor | None = None
+    """[B] long, in a ``PackedGroups``: the prefix (index into ``PackedGroups.prefixes``) each row continues;
+    None: every row continues its ``PrefixGroup``'s one prefix."""
 
     @property
     def padded_tokens(self) -> int:
@@ -54,6 +57,18 @@ class PrefixGroup:
     run once for all of them); always shorter than ``prefix_ids``. 0: this group's prefix runs on its own."""
 
 
+@dataclass
+class PackedGroups:
+    """Several groups run together: their prefixes as one batch, their suffixes in shared micro-batches (each row
+    continues the prefix its ``MicroBatch.prefix_rows`` names)."""
+
+    prefixes: list[list[int]]
+    """Each group's prefix (at least one token each, all starting with the same ``root_length`` tokens)."""
+    micro_batches: list[MicroBatch] = field(default_factory=list)
+    root_length: int = 0
+    """As ``PrefixGroup.root_length``: the leading tokens every prefix shares, run once before them."""
+
+
 def plan_micro_batches(
     groups: Sequence[Sequence[Sample]],
     *,
@@ -61,7 +76,8 @@ def plan_micro_batches(
     share_prefix: bool = True,
     min_shared_prefix: int = 16,
     pad_token_id: int = 0,
-) -> list[PrefixGroup]:
+    pack_groups: bool = False,
+) -> list[PrefixGroup | PackedGroups]:
     """Plan the forward passes of one optimizer step.
 
     Args:
@@ -71,11 +87,14 @@ def plan_micro_batches(
         share_prefix: run each group's common prompt once (exact; off only to compare).
         min_shared_prefix: below this many common tokens, sharing saves less than it costs.
         pad_token_id: id put in padding positions (masked out; any valid id works).
+        pack_groups: pack the groups into one ``PackedGroups`` when every group has a shared prefix and packing
+            needs fewer micro-batches (a packed row also holds a copy of its prefix's cache: its tokens count
+            against ``token_budget``).
 
     Returns:
-        One ``PrefixGroup`` per input group with at least one sample. With ``share_prefix``, when two or more
-        groups' prefixes start with the same ``min_shared_prefix`` tokens or more, each of them gets that
-        common start as its ``root_length``.
+        One ``PrefixGroup`` per input group with at least one sample, or one ``PackedGroups`` holding them all.
+        With ``share_prefix``, when two or more groups' prefixes start with the same ``min_shared_prefix`` tokens
+        or more, each of them gets that common start as its ``root_length``.
     """
     planned = []
     for samples in groups:
@@ -98,7 +117,37 @@ def plan_micro_batches(
         planned.append(group)
     if share_prefix:
         _share_root(planned, min_shared_prefix)
+        if pack_groups and len(planned) > 1 and all(g.prefix_ids for g in planned):
+            packed = _pack(planned, token_budget, pad_token_id)
+            if len(packed.micro_batches) < sum(len(g.micro_batches) for g in planned):
+                return [packed]
     return planned
+
+
+def _pack(planned: list[PrefixGroup], token_budget: int, pad_token_id: int) -> PackedGroups:
+    """The groups' samples in shared micro-batches, longest suffix first; a row costs its suffix and the padded
+    prefix cache it gets a copy of."""
+    prefix_width = max(len(g.prefix_ids) for g in planned)
+    rows = [(len(s.token_ids) - len(g.prefix_ids), i, s)
+            for i, g in enumerate(planned) for mb in g.micro_batches for s in mb.samples]
+    rows.sort(key=lambda row: row[0], reverse=True)
+    packed = PackedGroups(prefixes=[g.prefix_ids for g in planned], root_length=planned[0].root_length)
+    current: list[tuple[int, int, Sample]] = []
+    for row in rows:
+        widest = current[0][0] if current else row[0]
+        if current and (prefix_width + widest) * (len(current) + 1) > token_budget:
+            packed.micro_batches.append(_collate_packed(current, packed.prefixes, pad_token_id))
+            current = []
+        current.append(row)
+    packed.micro_batches.append(_collate_packed(current, packed.prefixes, pad_token_id))
+    return packed
+
+
+def _collate_packed(rows: list[tuple[int, int, Sample]], prefixes: list[list[int]], pad_token_id: int) -> MicroBatch:
+    samples = [sample for _, _, sample in rows]
+    batch = _collate(samples, [len(prefixes[group]) for _, group, _ in rows], pad_token_id)
+    batch.prefix_rows = torch.tensor([group for _, group, _ in rows], dtype=torch.long)
+    return batch
 
 
 def _share_root(planned: list[PrefixGroup], min_shared_prefix: int) -> None:
@@ -136,25 +185,27 @@ def _shared_prefix_length(samples: Sequence[Sample]) -> int:
     return max(0, min(n, first_trained))
 
 
-def _collate(samples: list[Sample], prefix_len: int, pad_token_id: int) -> MicroBatch:
-    width = max(len(s.token_ids) - prefix_len for s in samples)
+def _collate(samples: list[Sample], prefix_len: int | list[int], pad_token_id: int) -> MicroBatch:
+    """The samples' suffixes after ``prefix_len`` tokens (one for all, or one per sample), right-padded."""
+    starts = prefix_len if isinstance(prefix_len, list) else [prefix_len] * len(samples)
+    width = max(len(s.token_ids) - start for s, start in zip(samples, starts))
     b = len(samples)
     input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
     attention = torch.zeros((b, width), dtype=torch.long)
     trained = torch.zeros((b, width))
     advantages = torch.zeros((b, width))
     sampler = torch.full((b, width), math.nan)
-    for i, s in enumerate(samples):
-        n = len(s.token_ids) - prefix_len
-        input_ids[i, :n] = torch.tensor(s.token_ids[prefix_len:])
+    for i, (s, start) in enumerate(zip(samples, starts)):
+        n = len(s.token_ids) - start
+        input_ids[i, :n] = torch.tensor(s.token_ids[start:])
         attention[i, :n] = 1
-        trained[i, :n] = torch.tensor(s.trained[prefix_len:], dtype=torch.float32)
+        trained[i, :n] = torch.tensor(s.trained[start:], dtype=torch.float32)
         advantages[i, :n] = s.advantage
-        sampler[i, :n] = torch.tensor(s.sampler_logprobs[prefix_len:])
+        sampler[i, :n] = torch.tensor(s.sampler_logprobs[start:])
     behaviour = None
     if any(s.behaviour_logprobs is not None for s in samples):  # off-policy data in this micro-batch
         behaviour = torch.full((b, width), math.nan)
-        for i, s in enumerate(samples):
+        for i, (s, start) in enumerate(zip(samples, starts)):
             if s.behaviour_logprobs is not None:
-                behaviour[i, : len(s.token_ids) - prefix_len] = torch.tensor(s.behaviour_logprobs[prefix_len:])
+                behaviour[i, : len(s.token_ids) - start] = torch.tensor(s.behaviour_logprobs[start:])
     return MicroBatch(input_ids, attention, trained, advantages, sampler, samples, behaviour)

@@ -31,6 +31,7 @@ from .lean_forward import SwiGLU, lean_forward, lean_mlp, native_gqa_attention
 
 __all__ = [
     "ChunkedTokenLogprobs",
+    "PrefixBatch",
     "SharedPrefix",
     "SwiGLU",
     "TokenLogprobs",
@@ -113,6 +114,67 @@ class SharedPrefix:
         self._outputs, self._leaves = [], []
 
 
+class PrefixBatch(SharedPrefix):
+    """Several prompts run as one batch (``batching.PackedGroups``): row g of the cache is prompt g's, right-padded
+    to the longest. A micro-batch whose rows continue different prompts takes each row's (``cache_for_rows``).
+
+    The same values as running each prompt as a ``SharedPrefix`` (padding is masked, positions are each prompt's
+    own), gradients to float rounding; one forward of all the prompts' tokens makes larger matrix products.
+
+    Args:
+        model: a causal LM (PEFT-wrapped or not).
+        prefixes: the prompts (at least one token each).
+        grad: build a graph so micro-batches can backpropagate into the prompts.
+        parent: a prefix every prompt extends by at least one token (the step's root): only the tokens after it
+            are run, on its cache; ``backward()`` sends the prompts' share of the gradients into its leaves.
+        pad_token_id: the id run in padding positions (masked out; any valid id works).
+
+    Raises:
+        ValueError: a prompt does not extend ``parent``'s tokens.
+    """
+
+    def __init__(self, model: torch.nn.Module, prefixes: list[list[int]], *, grad: bool,
+                 parent: SharedPrefix | None = None, pad_token_id: int = 0) -> None:
+        device = _device(model)
+        self.prefixes = [list(p) for p in prefixes]
+        self.ids = self.prefixes[0]
+        self.length = max(len(p) for p in self.prefixes)  # the cache's positions (shorter prompts are padded)
+        self.lengths = torch.tensor([len(p) for p in self.prefixes], device=device)  # [G]
+        start, rows = (parent.length if parent is not None else 0), len(self.prefixes)
+        if parent is not None and any(len(p) <= start or p[:start] != parent.ids for p in self.prefixes):
+            raise ValueError(f"every prompt of a PrefixBatch must extend its parent's {start} tokens by at least "
+                             "one: build it without the parent")
+        ids = torch.full((rows, self.length - start), pad_token_id, dtype=torch.long)
+        attention = torch.zeros((rows, self.length), dtype=torch.long)
+        for g, prompt in enumerate(self.prefixes):
+            ids[g, : len(prompt) - start] = torch.tensor(prompt[start:])
+            attention[g, : len(prompt)] = 1
+        kwargs: dict[str, object] = {
+            "attention_mask": attention.to(device),
+            "position_ids": torch.arange(start, self.length, device=device).expand(rows, -1)}
+        if parent is not None:
+            kwargs["past_key_values"] = parent.cache_for(rows, model.config)
+        last = self.lengths - start - 1  # each prompt's last position in this forward
+        keep = torch.unique(last)  # sorted: the positions whose logits are wanted
+        with torch.set_grad_enabled(grad), fused_lora(model), lean_forward(model, start):
+            out = model(input_ids=ids.to(device), use_cache=True, logits_to_keep=keep, **kwargs)
+        self._grad = grad
+        self._outputs = [out.logits[torch.arange(rows, device=device), torch.searchsorted(keep, last)]]  # [G, V]
+        for layer in out.past_key_values.layers:
+            self._outputs += [layer.keys, layer.values]  # [G, kv_heads, P, head_dim] each
+        self._leaves = [t.detach().requires_grad_(grad) for t in self._outputs]
+
+    @property
+    def last_logits(self) -> torch.Tensor:
+        return self._leaves[0]  # [G, V]: row g predicts the first token after prompt g
+
+    def cache_for_rows(self, rows: torch.Tensor, config: object) -> DynamicCache:
+        """The cache for a micro-batch whose row i continues prompt ``rows[i]`` (a copy of each row's prompt)."""
+        kv = self._leaves[1:]
+        pairs = [(kv[i].index_select(0, rows), kv[i + 1].index_select(0, rows)) for i in range(0, len(kv), 2)]
+        return DynamicCache(ddp_cache_data=pairs, config=config)
+
+
 def micro_batch_logprobs(
     model: torch.nn.Module,
     batch: MicroBatch,
@@ -132,8 +194,10 @@ def micro_batch_logprobs(
 
     Args:
         model: the causal LM.
-        batch: suffixes of one prefix group (``batch.input_ids`` is [B, T]).
-        prefix: the group's shared prefix, or None when the sequences start at position 0.
+        batch: suffixes of one prefix group (``batch.input_ids`` is [B, T]), or of packed groups
+            (``batch.prefix_rows``).
+        prefix: the group's shared prefix, or None when the sequences start at position 0; for packed groups,
+            their ``PrefixBatch``.
         with_entropy: also return the policy's entropy at trained positions (for monitoring).
         chunk_size: trained positions per chunk of the LM head (bounds its memory to chunk x vocab); ``"auto"``
             sizes chunks by ``LOGPROB_CHUNK_BYTES``; None takes the model's full logits instead (the reference path,
@@ -148,8 +212,18 @@ def micro_batch_logprobs(
     b, t = ids.shape
     head = _plain_head(model) if chunk_size is not None else None
     kwargs: dict[str, object] = {"attention_mask": attention, "use_cache": False}
-    if prefix is not None:
-        p = prefix.length
+    prompt_rows = batch.prefix_rows.to(device) if batch.prefix_rows is not None else None  # [B] or None
+    shared_length = 0  # the prefix every row shares (lean_forward keeps one copy of it)
+    if prefix is not None and prompt_rows is not None:  # each row continues its own prompt of a PrefixBatch
+        if not isinstance(prefix, PrefixBatch):
+            raise ValueError("a micro-batch of packed groups (prefix_rows) needs their PrefixBatch")
+        p, starts = prefix.length, prefix.lengths[prompt_rows]  # [B]
+        kwargs["position_ids"] = starts[:, None] + torch.arange(t, device=device)
+        own = (torch.arange(p, device=device) < starts[:, None]).to(attention.dtype)  # [B, P]: padding masked
+        kwargs["attention_mask"] = torch.cat([own, attention], dim=1)
+        kwargs["past_key_values"] = prefix.cache_for_rows(prompt_rows, model.config)
+    elif prefix is not None:
+        p = shared_length = prefix.length
         kwargs["position_ids"] = torch.arange(p, p + t, device=device).expand(b, t)
         kwargs["attention_mask"] = torch.cat([torch.ones(b, p, dtype=attention.dtype, device=device), attention], dim=1)
         kwargs["past_key_values"] = prefix.cache_for(b, model.config)
@@ -158,7 +232,7 @@ def micro_batch_logprobs(
     rows, cols = rows.to(device), cols.to(device)
     targets = ids[rows, cols + 1]  # [N]
 
-    lean = lean_forward(model, prefix.length if prefix is not None else 0)
+    lean = lean_forward(model, shared_length)
     if head is None:  # a head with extras (bias, scaling, soft-capping): take the model's own logits
         with fused_lora(model), lean:
             logits = model(input_ids=ids, **kwargs).logits  # [B, T, V]
@@ -176,7 +250,14 @@ def micro_batch_logprobs(
     if with_entropy:
         entropy = torch.zeros(b, t, device=device, dtype=rest.dtype)
         entropy[rows, cols + 1] = rest_entropy
-    if prefix is not None:
+    if prefix is not None and prompt_rows is not None:
+        first = prefix.last_logits[prompt_rows]  # [B, V]: row i's prompt predicts its suffix token 0
+        first_lp = first.gather(1, ids[:, :1])[:, 0] - torch.logsumexp(first, dim=-1)  # [B]
+        keep0 = batch.trained[:, 0].to(device) > 0  # [B]
+        logprobs = torch.cat([torch.where(keep0, first_lp, 0.0)[:, None], logprobs[:, 1:]], dim=1)
+        if entropy is not None:
+            entropy[:, 0] = torch.where(keep0, _entropy(first.detach()), 0.0)
+    elif prefix is not None:
         first = prefix.last_logits  # [V] predicts suffix token 0 of every row
         first_lp = first[ids[:, 0]] - torch.logsumexp(first, dim=-1)  # [B]
         keep0 = batch.trained[:, 0].to(device) > 0  # [B]

@@ -36,10 +36,10 @@ from .._ownership import module_ownership
 from ..config import SFTConfig, TrainConfig
 from ..errors import ConfigError, TrainingError, TrajectoryError
 from ..types import Trajectory, TrajectoryGroup
-from .batching import MicroBatch, PrefixGroup, plan_micro_batches
+from .batching import MicroBatch, PackedGroups, PrefixGroup, plan_micro_batches
 from .checkpoints import MARKER
 from .distributed import StepSync
-from .forward import SharedPrefix, micro_batch_logprobs
+from .forward import PrefixBatch, SharedPrefix, micro_batch_logprobs
 from .fused_lora import BaseCopies, base_matmuls, cpu_has_native_bf16
 from .loading import load_policy  # re-exported: its home before training/loading.py
 from .losses import LossInputs
@@ -75,7 +75,7 @@ class _Work:
     """The step's samples, planned into micro-batches, with the step-wide counts the losses divide by."""
 
     samples: list[Sample]
-    plan: list[PrefixGroup]
+    plan: list[PrefixGroup | PackedGroups]
     num_sequences: int
     """Sequences in the whole step (summed over the ranks with a ``StepSync``)."""
     num_tokens: int
@@ -223,8 +223,9 @@ class GRPOTrainer:
             num_sequences, num_tokens = (int(v) for v in sync.sum([num_sequences, num_tokens]))
         if not num_sequences:
             return _Work(samples, [], 0, 0)
-        plan = plan_micro_batches(sample_groups, token_budget=config.micro_batch_tokens,
-                                  share_prefix=config.share_prefix and self.share_prefix, pad_token_id=self._pad_id())
+        share = config.share_prefix and self.share_prefix
+        plan = plan_micro_batches(sample_groups, token_budget=config.micro_batch_tokens, share_prefix=share,
+                                  pad_token_id=self._pad_id(), pack_groups=share)
         return _Work(samples, plan, num_sequences, num_tokens)
 
     def _accumulate(self, work: _Work, objective: Objective, progress: Progress | None,
@@ -239,19 +240,20 @@ class GRPOTrainer:
         root = ref_root = None  # the prompt every group starts with, run once for the step (batching.py)
         try:
             for pg in work.plan:
+                prompts = pg.prefixes if isinstance(pg, PackedGroups) else [pg.prefix_ids] if pg.prefix_ids else []
                 if pg.root_length and root is None:
-                    root = SharedPrefix(self.model, pg.prefix_ids[:pg.root_length], grad=True)
+                    root = SharedPrefix(self.model, prompts[0][:pg.root_length], grad=True)
                     if objective.reference:
                         with torch.no_grad(), self.model.disable_adapter():
                             ref_root = SharedPrefix(self.model, root.ids, grad=False)
                     forward_tokens += root.length
                 parent, ref_parent = (root, ref_root) if pg.root_length else (None, None)
-                prefix = SharedPrefix(self.model, pg.prefix_ids, grad=True, parent=parent) if pg.prefix_ids else None
+                prefix = self._prefix(pg, grad=True, parent=parent)
                 ref_prefix = None
-                if objective.reference and pg.prefix_ids:
+                if objective.reference and prompts:
                     with torch.no_grad(), self.model.disable_adapter():
-                        ref_prefix = SharedPrefix(self.model, pg.prefix_ids, grad=False, parent=ref_parent)
-                forward_tokens += len(pg.prefix_ids) - pg.root_length
+                        ref_prefix = self._prefix(pg, grad=False, parent=ref_parent)
+                forward_tokens += sum(len(prompt) - pg.root_length for prompt in prompts)
                 for mb in pg.micro_batches:
                     self._micro_batch(mb, prefix, ref_prefix, objective, work, stats)
                     forward_tokens += int(mb.attention_mask.sum())  # a host tensor: no device sync
@@ -268,6 +270,12 @@ class GRPOTrainer:
             self.model.zero_grad(set_to_none=True)
             raise
         return stats, forward_tokens
+
+    def _prefix(self, pg: PrefixGroup | PackedGroups, *, grad: bool, parent: SharedPrefix | None) -> SharedPrefix | None:
+        """The prompt(s) ``pg``'s micro-batches continue: one group's, or packed groups' as one batch."""
+        if isinstance(pg, PackedGroups):
+            return PrefixBatch(self.model, pg.prefixes, grad=grad, parent=parent, pad_token_id=self._pad_id())
+        return SharedPrefix(self.model, pg.prefix_ids, grad=grad, parent=parent) if pg.prefix_ids else None
 
     def _micro_batch(self, mb: MicroBatch, prefix: SharedPrefix | None, ref_prefix: SharedPrefix | None,
                      objective: Objective, work: _Work, stats: StepStats) -> None:
