@@ -15,7 +15,9 @@ clip 0.2/0.28, beta=0, group-std advantages), one optimizer step per step (AdamW
 ``--bf16`` trains every side with bf16 matmuls, each its own way (sampling stays fp32 on both): ours with
 ``TrainConfig(base_matmul_dtype="bfloat16")`` (the frozen base weights' GEMMs on a bf16 copy; LoRA, norms,
 attention, LM head and loss in fp32), TRL with ``bf16=True`` (accelerate's bf16 autocast over its training
-forward: every linear layer, the LM head included).
+forward: every linear layer, the LM head included). ``--packed-weights`` has our engine decode through oneDNN with
+packed weights (``TransformersOptions(packed_weights=True)``: log-probs that differ from the default path's by
+rounding); TRL's ``generate`` is unchanged.
 
 The three sides, each in its own process:
 
@@ -218,15 +220,16 @@ class Clock:
 
 async def _ours(model_dir: Path, questions: list[tuple[int, int]], scratch: str, *, pipelined: bool,
                 steps: int, per_step: int, group_size: int, max_tokens: int, lr: float,
-                bf16: bool) -> dict[str, Any]:
+                bf16: bool, packed_weights: bool = False) -> dict[str, Any]:
     from art_core import LocalBackend, TrainableModel, TrainConfig, TrajectoryGroup, TransformersOptions, pipeline
 
     t0 = time.perf_counter()
     if pipelined:
         backend = LocalBackend(path=scratch, show_progress=False, pause_during_step=False,
-                               transformers=TransformersOptions(separate_module=True))
+                               transformers=TransformersOptions(separate_module=True, packed_weights=packed_weights))
     else:
-        backend = LocalBackend(path=scratch, show_progress=False)
+        backend = LocalBackend(path=scratch, show_progress=False,
+                               transformers=TransformersOptions(packed_weights=packed_weights))
     model = TrainableModel(name="adder", project="bench", base_model=str(model_dir))
     config = TrainConfig(loss="dapo", beta=0.0, learning_rate=lr, max_grad_norm=MAX_GRAD_NORM, weight_decay=0.0,
                          tis_cap=None, loss_options={"epsilon_low": EPSILON_LOW, "epsilon_high": EPSILON_HIGH},
@@ -365,7 +368,7 @@ def _trl(model_dir: Path, questions: list[tuple[int, int]], scratch: str, *, ste
 
 
 def run_side(side: str, model_dir: Path, *, steps: int, per_step: int, group_size: int, max_tokens: int,
-             lr: float, threads: int, seed: int, bf16: bool = False) -> dict[str, Any]:
+             lr: float, threads: int, seed: int, bf16: bool = False, packed_weights: bool = False) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
@@ -377,7 +380,8 @@ def run_side(side: str, model_dir: Path, *, steps: int, per_step: int, group_siz
         if side == "trl":
             result = _trl(model_dir, questions, scratch, seed=seed, **kwargs)
         else:
-            result = asyncio.run(_ours(model_dir, questions, scratch, pipelined=side == "ours_pipelined", **kwargs))
+            result = asyncio.run(_ours(model_dir, questions, scratch, pipelined=side == "ours_pipelined",
+                                       packed_weights=packed_weights, **kwargs))
     return {"side": side, "questions": _fingerprint(questions), **result,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB on Linux
 
@@ -389,7 +393,8 @@ def run_side(side: str, model_dir: Path, *, steps: int, per_step: int, group_siz
 def _spawn(side: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     options = ["--model", str(model_dir), "--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step),
                "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens), "--lr", repr(args.lr),
-               "--threads", str(args.threads), "--seed", str(args.seed)] + (["--bf16"] if args.bf16 else [])
+               "--threads", str(args.threads), "--seed", str(args.seed)] + (["--bf16"] if args.bf16 else []) \
+        + (["--packed-weights"] if args.packed_weights else [])
     return run_side_process(__file__, side, options, threads=args.threads)
 
 
@@ -410,6 +415,9 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true",
                         help="train with bf16 matmuls on every side: ours TrainConfig(base_matmul_dtype='bfloat16'), "
                              "TRL GRPOConfig(bf16=True) (autocast); sampling stays fp32 on both")
+    parser.add_argument("--packed-weights", action="store_true",
+                        help="our engine decodes through oneDNN with packed weights (TransformersOptions("
+                             "packed_weights=True)); TRL's generate is unchanged")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # internal: run one side
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -417,7 +425,7 @@ def main() -> None:
     if args.side:
         result = run_side(args.side, Path(args.model), steps=args.steps, per_step=args.prompts_per_step,
                           group_size=args.group_size, max_tokens=args.max_tokens, lr=args.lr, threads=args.threads,
-                          seed=args.seed, bf16=args.bf16)
+                          seed=args.seed, bf16=args.bf16, packed_weights=args.packed_weights)
         Path(args.result_file).write_text(json.dumps(result))
         return
 
@@ -518,7 +526,7 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> N
         "goal_met": speedup >= GOAL,
         "loop_speedup_sync_vs_trl": round(speedup_sync, 3),
         "loop_speedup_pipelined_vs_sync": round(spm["ours_pipelined"] / spm["ours_sync"], 3),
-        "bf16_matmuls": args.bf16,
+        "bf16_matmuls": args.bf16, "packed_weights": args.packed_weights,
         "steps_per_min": {side: round(spm[side], 3) for side in SIDES},
         "loop_s": {side: round(loop_s[side], 2) for side in SIDES},
         "timing_basis": {side: estimate[side][1] for side in SIDES},

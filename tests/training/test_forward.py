@@ -155,7 +155,7 @@ def test_packed_groups_train_as_each_sequence_run_whole(tiny_model_dir, system_t
     assert all(isinstance(pg, PrefixGroup) for pg in plan_micro_batches(samples, token_budget=64, pack_groups=True))
 
     results = []
-    for share in (True, False):
+    for share, pack in ((True, True), (False, True), (True, False)):  # packed, whole sequences, groups apart
         torch.manual_seed(0)
         model, tokenizer = load_policy(tiny_model_dir, LoraSettings(), device="cpu")
         for p in model.parameters():  # a non-zero adapter, so LoRA gradients flow through every path
@@ -163,17 +163,19 @@ def test_packed_groups_train_as_each_sequence_run_whole(tiny_model_dir, system_t
                 torch.nn.init.normal_(p, std=0.05)
         sync = _KeepGradients()
         metrics = GRPOTrainer(model, tokenizer).train_step(
-            groups, TrainConfig(share_prefix=share, tis_cap=None, beta=beta), sync=sync)
+            groups, TrainConfig(share_prefix=share, pack_groups=pack, tis_cap=None, beta=beta), sync=sync)
         results.append((metrics, sync.kept))
-    (m_packed, g_packed), (m_whole, g_whole) = results
-    assert m_packed["micro_batches"] == 1 and m_whole["micro_batches"] == 3  # unshared: one per group
+    (m_packed, g_packed), (m_whole, g_whole), (m_apart, g_apart) = results
+    assert m_packed["micro_batches"] == 1 and m_whole["micro_batches"] == m_apart["micro_batches"] == 3
+    assert m_apart["forward_tokens"] == m_packed["forward_tokens"]
     suffixes = sum(len(s.token_ids) - len(prompt) for g, prompt in zip(samples, packed.prefixes) for s in g)
     assert m_packed["forward_tokens"] == system_tokens + sum(tasks) + suffixes  # real tokens, padding not counted
     assert abs(m_packed["loss"] - m_whole["loss"]) < 1e-6
     assert abs(m_packed["entropy"] - m_whole["entropy"]) < 1e-5
     assert g_whole and any(float(g.abs().max()) > 0 for g in g_whole)
-    for packed_grad, whole_grad in zip(g_packed, g_whole, strict=True):
+    for packed_grad, apart_grad, whole_grad in zip(g_packed, g_apart, g_whole, strict=True):
         torch.testing.assert_close(packed_grad, whole_grad, atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(apart_grad, whole_grad, atol=1e-6, rtol=1e-4)
 
 
 @pytest.mark.parametrize("sft", [False, True])

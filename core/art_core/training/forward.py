@@ -168,6 +168,9 @@ class PrefixBatch(SharedPrefix):
     def last_logits(self) -> torch.Tensor:
         return self._leaves[0]  # [G, V]: row g predicts the first token after prompt g
 
+    def cache_for(self, batch_size: int, config: object) -> DynamicCache:
+        raise ValueError("a PrefixBatch's rows hold different prompts: take cache_for_rows")
+
     def cache_for_rows(self, rows: torch.Tensor, config: object) -> DynamicCache:
         """The cache for a micro-batch whose row i continues prompt ``rows[i]`` (a copy of each row's prompt)."""
         kv = self._leaves[1:]
@@ -214,9 +217,9 @@ def micro_batch_logprobs(
     kwargs: dict[str, object] = {"attention_mask": attention, "use_cache": False}
     prompt_rows = batch.prefix_rows.to(device) if batch.prefix_rows is not None else None  # [B] or None
     shared_length = 0  # the prefix every row shares (lean_forward keeps one copy of it)
+    if prefix is not None and isinstance(prefix, PrefixBatch) != (prompt_rows is not None):
+        raise ValueError("a micro-batch of packed groups (prefix_rows) runs behind their PrefixBatch, and only it")
     if prefix is not None and prompt_rows is not None:  # each row continues its own prompt of a PrefixBatch
-        if not isinstance(prefix, PrefixBatch):
-            raise ValueError("a micro-batch of packed groups (prefix_rows) needs their PrefixBatch")
         p, starts = prefix.length, prefix.lengths[prompt_rows]  # [B]
         kwargs["position_ids"] = starts[:, None] + torch.arange(t, device=device)
         own = (torch.arange(p, device=device) < starts[:, None]).to(attention.dtype)  # [B, P]: padding masked

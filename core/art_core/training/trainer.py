@@ -224,8 +224,9 @@ class GRPOTrainer:
         if not num_sequences:
             return _Work(samples, [], 0, 0)
         share = config.share_prefix and self.share_prefix
+        pack = share and isinstance(config, TrainConfig) and config.pack_groups  # an SFT batch is one group
         plan = plan_micro_batches(sample_groups, token_budget=config.micro_batch_tokens, share_prefix=share,
-                                  pad_token_id=self._pad_id(), pack_groups=share)
+                                  pad_token_id=self._pad_id(), pack_groups=pack)
         return _Work(samples, plan, num_sequences, num_tokens)
 
     def _accumulate(self, work: _Work, objective: Objective, progress: Progress | None,
