@@ -173,10 +173,12 @@ class EngineReplica:
 
     async def aclose(self) -> None:
         """Stop the engine and remove the temporary folder made at start (``ray.kill`` runs no finalizer)."""
-        if self.engine is not None:
-            await self.engine.aclose()
-        if self._own_scratch:
-            shutil.rmtree(self._scratch, ignore_errors=True)
+        try:
+            if self.engine is not None:
+                await self.engine.aclose()
+        finally:
+            if self._own_scratch:
+                shutil.rmtree(self._scratch, ignore_errors=True)
 
     def _write(self, files: dict[str, bytes], step: int) -> Path:
         folder = self._scratch / f"step-{step:04d}"

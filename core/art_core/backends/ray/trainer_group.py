@@ -146,9 +146,11 @@ class TrainerRank:
         """Leave the process group and remove this rank's temporary folder (``ray.kill`` runs no finalizer)."""
         import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        shutil.rmtree(self._scratch, ignore_errors=True)
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            shutil.rmtree(self._scratch, ignore_errors=True)
 
 
 class _RecordingSync:
