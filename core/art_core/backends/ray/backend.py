@@ -24,10 +24,13 @@ log files stay under ``<path>/ray`` and which ``aclose()`` stops; any other addr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import secrets
-from collections.abc import Sequence
+import signal
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -342,13 +345,34 @@ class RayBackend(ServesModels):
                     token.touch(mode=0o600)
                     token.write_text(_local_cluster_token())
                     os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
-                ray.init(_temp_dir=str(temp), include_dashboard=False, runtime_env=self.runtime_env,
-                         log_to_driver=False)
+                with _application_sigterm_kept():
+                    ray.init(_temp_dir=str(temp), include_dashboard=False, runtime_env=self.runtime_env,
+                             log_to_driver=False)
                 self._started = True
             else:
-                ray.init(address=self.address, runtime_env=self.runtime_env, log_to_driver=False)
+                with _application_sigterm_kept():
+                    ray.init(address=self.address, runtime_env=self.runtime_env, log_to_driver=False)
                 self._started = True
         return ray
+
+
+@contextlib.contextmanager
+def _application_sigterm_kept() -> Iterator[None]:
+    """Keep the application's own SIGTERM handler across ``ray.init``.
+
+    ``ray.init`` makes SIGTERM ``sys.exit`` the process (in the main thread). Where the application handles SIGTERM
+    itself (``art-core serve``'s event loop: stop accepting, finish the train calls, close the backend), that
+    handler is put back; with the default action, Ray's stays (it runs ``ray.shutdown`` at exit).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if callable(before):  # a Python handler of the application's (not SIG_DFL, SIG_IGN, or one set in C)
+            signal.signal(signal.SIGTERM, before)
 
 
 def _vllm_options(options: VLLMOptions | None) -> VLLMOptions:
