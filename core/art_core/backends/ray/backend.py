@@ -269,13 +269,14 @@ class RayBackend(ServesModels):
             for actor in [*slot.router.all_replicas, *(w for p in slot.pools.values() for w in p.workers)]:
                 ray.kill(actor)  # our own actors, by handle
         if self._started:
-            ray.shutdown()
+            ray.shutdown()  # disconnects; also stops the processes of a cluster this driver started
         if self._env_before is not None:  # undo what starting the local cluster set (see _ray)
             for name, value in self._env_before.items():
                 if value is None:
                     os.environ.pop(name, None)
                 else:
-                    os.environ[name] = value  # disconnects; also stops the processes of a cluster this driver started
+                    os.environ[name] = value
+            _reread_ray_auth_settings()
 
     # -- beyond the contract: rollouts on workers -----------------------------------------------------
 
@@ -354,6 +355,22 @@ class RayBackend(ServesModels):
                     ray.init(address=self.address, runtime_env=self.runtime_env, log_to_driver=False)
                 self._started = True
         return ray
+
+
+def _reread_ray_auth_settings() -> None:
+    """Make this process's Ray read its auth settings from the (restored) environment again.
+
+    ``ray.init`` caches them (its RayConfig and token loader): without this, a later ``ray.init`` to another
+    cluster in the same process (a ``RayBackend(address=...)`` after a local one closed) authenticates as the
+    local cluster did, and its actors die before they start. The two calls are Ray's own test helper's
+    (``ray/_private/authentication_test_utils.reset_auth_token_state``); a Ray without them caches nothing.
+    """
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+    except ImportError:
+        return
+    Config.initialize("")  # first: the token is dropped only once the config no longer asks for it
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 @contextlib.contextmanager
