@@ -51,10 +51,13 @@ def move_schema(board: list[list[int]]) -> dict[str, Any]:
 
     Offering only those is for the small model: SmolLM2-135M, after SFT on expectimax games, still picked moves
     that change nothing, and at a low temperature repeated them on the unchanged board until the game's moves ran
-    out (probed: 2 of 16 held-out games won). The server's constrained decoding keeps the reply to the enum.
+    out (probed: 2 of 16 held-out games won). The server's constrained decoding keeps the reply to the enum, and
+    to ``direction`` alone (``additionalProperties: false``: a small model otherwise invents more arguments).
     """
     schema = convert_to_openai_tool(move)
-    schema["function"]["parameters"]["properties"]["direction"]["enum"] = moves_that_change(board)
+    parameters = schema["function"]["parameters"]
+    parameters["properties"]["direction"]["enum"] = moves_that_change(board)
+    parameters["additionalProperties"] = False
     return schema
 
 

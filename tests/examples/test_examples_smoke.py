@@ -394,7 +394,9 @@ def test_2048_offers_and_previews_only_the_moves_that_change_the_board_and_the_e
 
     board = [[2, 2, 4], [0, 0, 0], [0, 0, 0]]
     assert preview(board) == "left: merges 1\nright: merges 1\ndown: merges 0"  # up changes nothing
-    assert move_schema(board)["function"]["parameters"]["properties"]["direction"]["enum"] == ["left", "right", "down"]
+    parameters = move_schema(board)["function"]["parameters"]
+    assert parameters["properties"]["direction"]["enum"] == ["left", "right", "down"]
+    assert parameters["additionalProperties"] is False and parameters["required"] == ["direction"]
     assert parse_board(f"Board:\n{render(board)}\n{preview(board)}\nYour move?") == board
 
 
