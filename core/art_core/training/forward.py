@@ -20,6 +20,7 @@ re-exported from there, where they lived before.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +57,40 @@ class TokenLogprobs:
     entropy: torch.Tensor | None  # [B, T] detached, only where trained (0 elsewhere); None when not asked
 
 
-class SharedPrefix:
+class _PromptStates:
+    """What a prompt forward leaves for the micro-batches that continue it: its last logits and its keys and
+    values, as detached leaves the micro-batches backpropagate into, so that the prompt's graph survives several
+    micro-batches and is walked only once, in ``backward()``."""
+
+    ids: list[int]
+    length: int  # the cache's positions
+
+    def _keep(self, outputs: list[torch.Tensor], grad: bool) -> None:
+        """``outputs``: the last logits, then each layer's keys and values."""
+        self._grad = grad
+        self._outputs = outputs
+        self._leaves = [t.detach().requires_grad_(grad) for t in outputs]
+
+    @property
+    def last_logits(self) -> torch.Tensor:
+        return self._leaves[0]
+
+    def _cache(self, rows_of: Callable[[torch.Tensor], torch.Tensor], config: object) -> DynamicCache:
+        kv = self._leaves[1:]
+        pairs = [(rows_of(kv[i]), rows_of(kv[i + 1])) for i in range(0, len(kv), 2)]
+        return DynamicCache(ddp_cache_data=pairs, config=config)
+
+    def backward(self) -> None:
+        """Send the gradients the micro-batches left on the leaves through the prompt's graph."""
+        if not self._grad:
+            return
+        pairs = [(out, leaf.grad) for out, leaf in zip(self._outputs, self._leaves) if leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+        self._outputs, self._leaves = [], []
+
+
+class SharedPrefix(_PromptStates):
     """A prompt shared by several sequences, run once.
 
     Args:
@@ -86,35 +120,17 @@ class SharedPrefix:
         ids = torch.tensor([self.ids[start:]], device=device)
         with torch.set_grad_enabled(grad), fused_lora(model), lean_forward(model):
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **kwargs)
-        self._grad = grad
-        self._outputs: list[torch.Tensor] = [out.logits[0, -1]]  # [V]
+        outputs: list[torch.Tensor] = [out.logits[0, -1]]  # [V]: predicts the first token after the prefix
         for layer in out.past_key_values.layers:
-            self._outputs += [layer.keys, layer.values]  # [1, kv_heads, P, head_dim] each
-        # Detached leaves: micro-batches backpropagate into these, not into the prefix's graph, so
-        # the graph survives several micro-batches and is walked only once, in backward().
-        self._leaves = [t.detach().requires_grad_(grad) for t in self._outputs]
-
-    @property
-    def last_logits(self) -> torch.Tensor:
-        return self._leaves[0]  # [V]
+            outputs += [layer.keys, layer.values]  # [1, kv_heads, P, head_dim] each
+        self._keep(outputs, grad)
 
     def cache_for(self, batch_size: int, config: object) -> DynamicCache:
-        kv = self._leaves[1:]
-        pairs = [(kv[i].expand(batch_size, -1, -1, -1), kv[i + 1].expand(batch_size, -1, -1, -1))
-                 for i in range(0, len(kv), 2)]
-        return DynamicCache(ddp_cache_data=pairs, config=config)
-
-    def backward(self) -> None:
-        """Send the gradients the micro-batches left on the leaves through the prefix's graph."""
-        if not self._grad:
-            return
-        pairs = [(out, leaf.grad) for out, leaf in zip(self._outputs, self._leaves) if leaf.grad is not None]
-        if pairs:
-            torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
-        self._outputs, self._leaves = [], []
+        """The cache for a micro-batch of ``batch_size`` rows that all continue this prefix (views, no copy)."""
+        return self._cache(lambda t: t.expand(batch_size, -1, -1, -1), config)
 
 
-class PrefixBatch(SharedPrefix):
+class PrefixBatch(_PromptStates):
     """Several prompts run as one batch (``batching.PackedGroups``): row g of the cache is prompt g's, right-padded
     to the longest. A micro-batch whose rows continue different prompts takes each row's (``cache_for_rows``).
 
@@ -158,30 +174,21 @@ class PrefixBatch(SharedPrefix):
         keep = torch.unique(last)  # sorted: the positions whose logits are wanted
         with torch.set_grad_enabled(grad), fused_lora(model), lean_forward(model, start):
             out = model(input_ids=ids.to(device), use_cache=True, logits_to_keep=keep, **kwargs)
-        self._grad = grad
-        self._outputs = [out.logits[torch.arange(rows, device=device), torch.searchsorted(keep, last)]]  # [G, V]
+        # [G, V]: row g predicts the first token after prompt g
+        outputs = [out.logits[torch.arange(rows, device=device), torch.searchsorted(keep, last)]]
         for layer in out.past_key_values.layers:
-            self._outputs += [layer.keys, layer.values]  # [G, kv_heads, P, head_dim] each
-        self._leaves = [t.detach().requires_grad_(grad) for t in self._outputs]
-
-    @property
-    def last_logits(self) -> torch.Tensor:
-        return self._leaves[0]  # [G, V]: row g predicts the first token after prompt g
-
-    def cache_for(self, batch_size: int, config: object) -> DynamicCache:
-        raise ValueError("a PrefixBatch's rows hold different prompts: take cache_for_rows")
+            outputs += [layer.keys, layer.values]  # [G, kv_heads, P, head_dim] each
+        self._keep(outputs, grad)
 
     def cache_for_rows(self, rows: torch.Tensor, config: object) -> DynamicCache:
         """The cache for a micro-batch whose row i continues prompt ``rows[i]`` (a copy of each row's prompt)."""
-        kv = self._leaves[1:]
-        pairs = [(kv[i].index_select(0, rows), kv[i + 1].index_select(0, rows)) for i in range(0, len(kv), 2)]
-        return DynamicCache(ddp_cache_data=pairs, config=config)
+        return self._cache(lambda t: t.index_select(0, rows), config)
 
 
 def micro_batch_logprobs(
     model: torch.nn.Module,
     batch: MicroBatch,
-    prefix: SharedPrefix | None,
+    prefix: SharedPrefix | PrefixBatch | None,
     *,
     with_entropy: bool = False,
     chunk_size: int | str | None = LOGPROB_CHUNK,
