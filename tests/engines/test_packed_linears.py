@@ -7,7 +7,8 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from art_core.engines._packed import PackedLinears, packing_available
+from art_core.engines import _packed as packed_module
+from art_core.engines._packed import PackedLinears, packed_linears, packing_available
 from art_core.engines.base import SamplingParams
 from art_core.engines.transformers import TransformersEngine
 
@@ -123,3 +124,43 @@ async def test_nothing_is_packed_with_onednn_turned_off(tiny_model_dir):
         assert engine._packed is not None and engine._packed.packs == 0
     finally:
         await engine.aclose()
+
+
+def _rescored(model: torch.nn.Module, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """The completion's log-probs from one forward over the whole sequence (no KV cache)."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+    return logp[torch.arange(len(prompt) - 1, ids.shape[1] - 1), ids[0, len(prompt):]]
+
+
+async def test_bfloat16_packing_records_the_log_probs_of_the_policy_it_samples(tiny_model_dir):
+    engine = await TransformersEngine.from_pretrained(tiny_model_dir, device="cpu", packed_weights="bfloat16")
+    try:
+        outputs = _sampled(engine)
+        packed = engine._packed
+        assert packed is not None and packed.dtype == torch.bfloat16
+        head = engine.model.get_output_embeddings()
+        dtypes = {module: entry[1].dtype for module, entry in packed._packed.items()}
+        assert len(dtypes) == len(_linears(engine.model))
+        assert dtypes.pop(head) == torch.float32  # logits keep float32 precision
+        assert set(dtypes.values()) == {torch.bfloat16}
+        worst_own = worst_fp32 = 0.0
+        for prompt, out in zip(PROMPTS, outputs, strict=True):
+            recorded = torch.tensor(out.logprobs)
+            with packed.active(engine.model):  # the sampling policy: the same bf16 layers, without the cache
+                worst_own = max(worst_own, (_rescored(engine.model, prompt, out.token_ids) - recorded).abs().max().item())
+            worst_fp32 = max(worst_fp32, (_rescored(engine.model, prompt, out.token_ids) - recorded).abs().max().item())
+        print(f"bf16 packing: |recorded - same policy| <= {worst_own:.1e}, |recorded - float32 model| <= {worst_fp32:.1e}")
+        assert worst_own < 1e-3  # what the trainer's importance weights take as the behaviour policy
+        assert 1e-5 < worst_fp32 < 0.1  # a policy of its own (bf16 matmuls), close to the float32 model's
+    finally:
+        await engine.aclose()
+
+
+def test_a_packed_weights_setting_that_does_not_exist_is_refused(monkeypatch):
+    with pytest.raises(ValueError, match="packed_weights='float16'.*'bfloat16'"):
+        packed_linears("float16")  # type: ignore[arg-type]
+    monkeypatch.setattr(packed_module, "cpu_has_native_bf16", lambda: False)  # a CPU without AVX512-BF16 / AMX
+    with pytest.warns(UserWarning, match="emulated.*packed_weights=True"):
+        packed_linears("bfloat16")

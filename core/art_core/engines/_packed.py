@@ -42,20 +42,39 @@ nothing is packed and the model runs as it is.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PackedLinears", "packing_available"]
+from .._cpu import cpu_has_native_bf16
+from .._cpu import onednn_packing_available as packing_available  # the name its callers import
+
+__all__ = ["PackedLinears", "PackedWeights", "packed_linears", "packing_available"]
+
+PackedWeights = bool | Literal["float32", "bfloat16"]
+"""``TransformersEngine(packed_weights=...)``: False (not packed), True or ``"float32"``, or ``"bfloat16"``."""
 
 
-def packing_available() -> bool:
-    """Whether this PyTorch has oneDNN and the two operators used here, and oneDNN is turned on."""
-    ops = getattr(torch.ops, "mkldnn", None)
-    return (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled and ops is not None
-            and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
+def packed_linears(setting: PackedWeights) -> PackedLinears | None:
+    """The ``PackedLinears`` a ``packed_weights`` setting asks for (None: not packed).
+
+    Raises:
+        ValueError: not one of False, True, ``"float32"``, ``"bfloat16"``.
+    """
+    if setting is False:
+        return None
+    if setting is True or setting == "float32":
+        return PackedLinears(torch.float32)
+    if setting == "bfloat16":
+        if cpu_has_native_bf16() is False:
+            warnings.warn("packed_weights='bfloat16' on a CPU without native bf16 (no AVX512-BF16 or AMX-BF16 in "
+                          "/proc/cpuinfo): its bf16 matmuls are emulated and slower than float32's; use "
+                          "packed_weights=True on this machine", stacklevel=3)
+        return PackedLinears(torch.bfloat16)
+    raise ValueError(f"packed_weights={setting!r}: give False, True (or 'float32'), or 'bfloat16'")
 
 
 def _packable(module: torch.nn.Module) -> bool:
@@ -77,8 +96,14 @@ class PackedLinears:
     Blocking calls (packing reorders the weight): run them on the decode thread, never on the event loop.
     """
 
-    def __init__(self) -> None:
-        self._packed: dict[torch.nn.Linear, tuple[tuple[int, int, tuple[int, ...]], torch.Tensor]] = {}
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"PackedLinears packs weights in float32 or bfloat16, not {dtype}")
+        self.dtype = dtype
+        """The packed copies' dtype: float32, or bfloat16 (every linear layer but the output embedding: see the
+        module's docstring)."""
+        # module -> (what its weight, bias and the dtype were when packed, packed weight, bias in that dtype)
+        self._packed: dict[torch.nn.Linear, tuple[Any, torch.Tensor, torch.Tensor | None]] = {}
         self.packs = 0
         """Weights packed so far (re-packing after a change counts again)."""
 
@@ -88,7 +113,7 @@ class PackedLinears:
     @property
     def nbytes(self) -> int:
         """Memory the packed copies hold (estimated from their weights' sizes)."""
-        return sum(module.weight.numel() * module.weight.element_size() for module in self._packed)
+        return sum(packed.numel() * packed.element_size() for _, packed, _ in self._packed.values())
 
     def clear(self) -> None:
         """Drop every packed copy (the weights may have changed behind the version counter)."""
@@ -108,32 +133,39 @@ class PackedLinears:
         present = set(linears)
         for gone in [m for m in self._packed if m not in present]:
             del self._packed[gone]
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         for module in linears:
-            module.forward = self._forward_of(module)  # type: ignore[method-assign]
+            dtype = torch.float32 if module is head else self.dtype
+            module.forward = self._forward_of(module, dtype)  # type: ignore[method-assign]
         try:
             yield
         finally:
             for module in linears:
                 module.__dict__.pop("forward", None)
 
-    def _forward_of(self, module: torch.nn.Linear) -> Any:
+    def _forward_of(self, module: torch.nn.Linear, dtype: torch.dtype) -> Any:
         def forward(x: torch.Tensor) -> torch.Tensor:
             weight = module.weight
             if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad) or x.dtype != weight.dtype:
                 return F.linear(x, weight, module.bias)  # the packed operator has no backward
-            packed = self._weight(module, weight)
+            packed, bias = self._weight(module, weight, dtype)
             shape = x.shape
-            out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), packed, module.bias, "none", [], "")
+            rows = x.reshape(-1, shape[-1]).to(dtype)  # a copy only in bfloat16
+            out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "").to(x.dtype)
             return out.reshape(*shape[:-1], out.shape[-1])  # [..., in] -> [..., out]
 
         return forward
 
-    def _weight(self, module: torch.nn.Linear, weight: torch.Tensor) -> torch.Tensor:
-        fingerprint = _fingerprint(weight)
+    def _weight(self, module: torch.nn.Linear, weight: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The packed weight and the bias in the same dtype, made again if the weight or the bias changed."""
+        bias = module.bias
+        fingerprint = (_fingerprint(weight), _fingerprint(bias) if bias is not None else None, dtype)
         entry = self._packed.get(module)
         if entry is None or entry[0] != fingerprint:
             # No batch-size hint: the same copy serves every row count (1 row decoding to a long prefill).
-            entry = (fingerprint, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype), None)
+            entry = (fingerprint, packed, bias.detach().to(dtype) if bias is not None else None)
             self._packed[module] = entry
             self.packs += 1
-        return entry[1]
+        return entry[1], entry[2]

@@ -13,7 +13,10 @@ prompt seen again since the weights last changed is not prefilled at all (``engi
 layer's keys and values live in pre-allocated buffers, so a step writes its column in place. On CPU in float32,
 ``packed_weights=True`` runs the linear layers through oneDNN with weights packed once (``engines/_packed.py``):
 the matrix products are most of a step, and PyTorch's default path for them is ~1.8x slower at 8 rows; off by
-default, since the different summation order moves log-probs past 1e-5.
+default, since the different summation order moves log-probs past 1e-5. ``packed_weights="bfloat16"`` packs
+them in bfloat16 (the output embedding stays float32), about twice as fast again on a CPU with native bf16:
+the engine then samples from a slightly different policy than the float32 trainer, and the log-probs it
+records are that policy's own, which the trainer's importance weights correct for.
 
 The loop runs on a thread of the engine's own (``art-decode``, see ``art_core._threads``), never on the event
 loop's default pool, which the user's code can fill with calls waiting for this very engine.
@@ -55,7 +58,7 @@ from .._threads import HELPERS, OwnThreads
 from ..errors import ArtError, EngineError
 from ._adapter_swap import load_into_active_adapter
 from ._batch import RunningBatch
-from ._packed import PackedLinears
+from ._packed import PackedWeights, packed_linears
 from ._prefix import PrefixCache
 from ._structured import JsonSchemaGuide, advance, allowed_tokens
 from .base import EngineOutput, SamplingParams, TokenDelta, check_adapter_path
@@ -113,14 +116,19 @@ class TransformersEngine:
         prefix_cache_mb: memory for the states of recently prefilled prompts (``engines/_prefix.py``): a prompt
             seen again since the weights last changed skips its prefill. 0 turns it off.
         packed_weights: on CPU in float32, decode through oneDNN with the linear weights reordered once into its
-            layout (``engines/_packed.py``): ~1.8x faster steps at 8 rows, for a second copy of those weights in
-            memory (0.54 GB for SmolLM2-135M), and log-probs that differ from the default path's by rounding
-            (up to ~4e-5 on SmolLM2-135M, so a seeded row can sample another token). Default False: PyTorch's
-            matrix products, no extra memory.
+            layout (``engines/_packed.py``). True (or ``"float32"``): ~1.8x faster steps at 8 rows, for a second
+            copy of those weights in memory (0.54 GB for SmolLM2-135M), and log-probs that differ from the
+            default path's by rounding (up to ~4e-5 on SmolLM2-135M, so a seeded row can sample another token).
+            ``"bfloat16"``: the copies in bfloat16 (half the memory) but the output embedding's, which stays
+            float32 so that logits and log-probs keep float32 precision; faster again on a CPU with native bf16
+            (AVX512-BF16 or AMX), slower without. The sampling policy then differs from the float32 model's
+            (log-probs by ~1e-2); what is recorded is the sampling policy's own log-probs, which is what the
+            trainer's truncated importance weights need. Default False: PyTorch's matrix products, no extra
+            memory.
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, max_batch_rows: int = 64, adapter_step: int = 0,
-                 prefix_cache_mb: int = 256, packed_weights: bool = False) -> None:
+                 prefix_cache_mb: int = 256, packed_weights: PackedWeights = False) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_rows = max_batch_rows
@@ -141,7 +149,7 @@ class TransformersEngine:
         self._closed = False
         self._guide: JsonSchemaGuide | None = None  # built on the first request with a JSON schema
         self._prefix = PrefixCache(prefix_cache_mb * 2**20)
-        self._packed = PackedLinears() if packed_weights else None
+        self._packed = packed_linears(packed_weights)
         self.stats = {"batches": 0, "rows": 0, "tokens": 0, "steps": 0, "max_rows": 0, "prefills": 0}
         """Counters since start: admissions (each prefills the requests that were waiting and adds their rows
         to the running batch), sequences decoded, tokens sampled, decode steps, most rows decoded at once,
