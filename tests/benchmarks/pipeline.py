@@ -29,7 +29,8 @@ success after training minus the synchronous arm's. The last line is a JSON obje
 (``max_off_policy=1``), ``async_speedup_<layout>_m2``, ``heldout_gap_<layout>`` (points, ``max_off_policy=1``)
 and every arm's figures. The machine may be shared: the load average before and after goes into the JSON.
 ``--base-matmul-dtype bfloat16`` trains every arm with ``TrainConfig(base_matmul_dtype="bfloat16")`` (the engines
-still sample in fp32).
+still sample in fp32); ``--prepacked-base-weights`` with ``TrainConfig(prepacked_base_weights=True)`` (fp32 by
+default: the base products through oneDNN on pre-packed copies).
 
     python tests/benchmarks/pipeline.py [--layouts ray transformers vllm] [--seeds 0 1 2] [--steps 10]
 
@@ -100,7 +101,8 @@ async def run_arm(layout: str, bound: int, seed: int, args: argparse.Namespace, 
     eval_tasks = make_tasks(args.held_out, seed=seed + 10_000)
     model = TrainableModel(name=f"pipe-{layout}-m{bound}-s{seed}-{uuid.uuid4().hex[:6]}", project="bench",
                            base_model=args.base_model)
-    config = TrainConfig(learning_rate=args.learning_rate, base_matmul_dtype=args.base_matmul_dtype)
+    config = TrainConfig(learning_rate=args.learning_rate, base_matmul_dtype=args.base_matmul_dtype,
+                         prepacked_base_weights=args.prepacked_base_weights)
     async with _backend(layout, bound, root, cluster) as backend:
         await model.register(backend)
         if layout == "vllm":
@@ -207,6 +209,8 @@ def main() -> None:
     parser.add_argument("--base-model", default="smollm2-135m-instruct")
     parser.add_argument("--base-matmul-dtype", choices=["bfloat16"], default=None,
                         help="TrainConfig.base_matmul_dtype for every arm (default: the model's own, fp32 on CPU)")
+    parser.add_argument("--prepacked-base-weights", action="store_true",
+                        help="TrainConfig(prepacked_base_weights=True) for every arm (oneDNN on pre-packed copies)")
     args = parser.parse_args()
     if 0 not in args.bounds:
         parser.error("--bounds must include 0: the synchronous arm every speed-up is measured against")

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from art_core.config import LoraSettings
 import gc
 
-from art_core.training.fused_lora import LoraLinear, base_matmuls, fused_lora
+import pytest
+
+from art_core._cpu import onednn_packing_available
+from art_core.config import LoraSettings
+from art_core.training.fused_lora import BaseWeight, LoraLinear, base_matmuls, fused_lora
 from art_core.training.trainer import load_policy
 
 
@@ -92,7 +95,7 @@ def test_a_bf16_base_changes_only_the_base_products():
     lora_a, lora_b = torch.randn(4, 64) * 0.1, torch.randn(48, 4) * 0.1
     upstream = torch.randn(6, 48)
     runs = []
-    for base in (None, weight.bfloat16()):
+    for base in (None, BaseWeight(weight, torch.bfloat16, packed=False)):
         xs, a, b = (t.clone().requires_grad_(True) for t in (x, lora_a, lora_b))
         out = LoraLinear.apply(xs, weight, bias, a, b, 2.0, base)
         out.backward(upstream)
@@ -140,3 +143,58 @@ def test_base_matmuls_keep_one_copy_per_weight_for_as_long_as_it_lives(tiny_mode
     del model, q_proj
     gc.collect()
     assert copies == {}
+
+
+@pytest.mark.skipif(not onednn_packing_available(), reason="this PyTorch has no oneDNN")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prepacked_base_gives_the_unpacked_copy_products_to_rounding(dtype):
+    """``BaseWeight(packed=True)``: the forward product and the input gradient through oneDNN's blocked copies
+    equal the plain copy's (fp32: to float rounding; bf16: both round the output to bf16, so to one bf16 ulp);
+    the LoRA gradients do not see the base at all."""
+    torch.manual_seed(0)
+    x, upstream = torch.randn(7, 64), torch.randn(7, 48)
+    weight, bias = torch.randn(48, 64), torch.randn(48)
+    lora_a, lora_b = torch.randn(4, 64) * 0.1, torch.randn(48, 4) * 0.1
+    runs = []
+    for packed in (False, True):
+        xs, a, b = (t.clone().requires_grad_(True) for t in (x, lora_a, lora_b))
+        out = LoraLinear.apply(xs, weight, bias, a, b, 2.0, BaseWeight(weight, dtype, packed=packed))
+        out.backward(upstream)
+        runs.append((out.detach(), xs.grad, a.grad, b.grad))
+    (out_plain, gx_plain, ga_plain, gb_plain), (out_packed, gx_packed, ga_packed, gb_packed) = runs
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 2**-7}
+    torch.testing.assert_close(out_packed, out_plain, **tolerance)
+    torch.testing.assert_close(gx_packed, gx_plain, **tolerance)
+    torch.testing.assert_close(ga_packed, ga_plain, **tolerance)  # through x's gradient only in the loss above
+    assert torch.equal(gb_packed, gb_plain) or dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not onednn_packing_available(), reason="this PyTorch has no oneDNN")
+def test_prepacked_base_matmuls_run_through_onednn_and_train_as_the_plain_layers(tiny_model_dir):
+    """``base_matmuls(None, copies, packed=True)``: every fused layer's base products run through oneDNN's packed
+    copies (the profiler sees its operator; one packed copy per layer, fp32), and the logits and LoRA gradients
+    equal the plain fp32 layers' to float rounding."""
+    torch.manual_seed(0)
+    model, _ = load_policy(tiny_model_dir, LoraSettings(), device="cpu")
+    _randomised(model)
+    ids = torch.randint(10, 1000, (2, 11), generator=torch.Generator().manual_seed(3))
+
+    def step(**matmuls) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str]]:
+        model.zero_grad(set_to_none=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            with fused_lora(model), base_matmuls(**matmuls):
+                logits = model(input_ids=ids).logits
+                logits.logsumexp(-1).mean().backward()
+        return logits.detach(), _grads(model), [event.key for event in prof.key_averages()]
+
+    plain_logits, plain_grads, plain_ops = step(dtype=None, copies={})
+    copies: dict = {}
+    packed_logits, packed_grads, packed_ops = step(dtype=None, copies=copies, packed=True)
+    layers = model.config.num_hidden_layers * len(model.peft_config["default"].target_modules)
+    assert len(copies) == layers
+    assert all(entry[2].packed and entry[2].dtype == torch.float32 for entry in copies.values())
+    assert "mkldnn::_linear_pointwise" in packed_ops and "mkldnn::_linear_pointwise" not in plain_ops
+    torch.testing.assert_close(packed_logits, plain_logits, atol=1e-5, rtol=1e-5)
+    assert packed_grads.keys() == plain_grads.keys() and plain_grads
+    for name in plain_grads:
+        torch.testing.assert_close(packed_grads[name], plain_grads[name], atol=1e-6, rtol=1e-4, msg=name)

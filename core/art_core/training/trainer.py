@@ -111,7 +111,8 @@ class GRPOTrainer:
         self._pending_optimizer_state: dict[str, Any] | None = None
         self._pending_optimizer_kind: str | None = None
         self._base_copies: BaseCopies = {}
-        """Low-precision copies of the frozen base weights (``TrainConfig.base_matmul_dtype``), made at first use."""
+        """Copies of the frozen base weights (``TrainConfig.base_matmul_dtype``, ``prepacked_base_weights``), made at
+        first use."""
         self._warned_bf16 = False  # the emulated-bf16 warning is given once per trainer
 
     # -- the step -------------------------------------------------------------------------------------
@@ -149,12 +150,13 @@ class GRPOTrainer:
         """
         base_dtype = self._base_matmul_dtype(config)
         if isinstance(config, SFTConfig):
-            with base_matmuls(base_dtype, self._base_copies):
+            with base_matmuls(base_dtype, self._base_copies, packed=config.prepacked_base_weights):
                 return self._train_sft(groups, config, objective or SFTObjective(), progress, sync, shard)
         t_start = time.perf_counter()
         objective = objective or GRPOObjective.from_config(config)
         # an engine sharing the module is paused until we are done
-        with module_ownership(self.model).training(), base_matmuls(base_dtype, self._base_copies):
+        with (module_ownership(self.model).training(),
+              base_matmuls(base_dtype, self._base_copies, packed=config.prepacked_base_weights)):
             # 0. staleness: groups sampled too many steps ago are dropped before any of their tokens is read
             kept, stale_metrics = _drop_stale(groups, config, policy_step)
             # 1. advantages: the objective weighs each trajectory from the rewards (GRPO drops groups that teach nothing)
@@ -272,13 +274,15 @@ class GRPOTrainer:
             raise
         return stats, forward_tokens
 
-    def _prefix(self, pg: PrefixGroup | PackedGroups, *, grad: bool, parent: SharedPrefix | None) -> SharedPrefix | None:
+    def _prefix(self, pg: PrefixGroup | PackedGroups, *, grad: bool,
+                parent: SharedPrefix | None) -> SharedPrefix | PrefixBatch | None:
         """The prompt(s) ``pg``'s micro-batches continue: one group's, or packed groups' as one batch."""
         if isinstance(pg, PackedGroups):
             return PrefixBatch(self.model, pg.prefixes, grad=grad, parent=parent, pad_token_id=self._pad_id())
         return SharedPrefix(self.model, pg.prefix_ids, grad=grad, parent=parent) if pg.prefix_ids else None
 
-    def _micro_batch(self, mb: MicroBatch, prefix: SharedPrefix | None, ref_prefix: SharedPrefix | None,
+    def _micro_batch(self, mb: MicroBatch, prefix: SharedPrefix | PrefixBatch | None,
+                     ref_prefix: SharedPrefix | PrefixBatch | None,
                      objective: Objective, work: _Work, stats: StepStats) -> None:
         """One micro-batch's forward, loss and backward; its numbers are added to ``stats``."""
         out = micro_batch_logprobs(self.model, mb, prefix, with_entropy=True)

@@ -1,0 +1,103 @@
+"""One GRPO step of the demo's shape with pre-packed base weights (``TrainConfig.prepacked_base_weights``) and
+without, side by side.
+
+The work is ``packed_groups.py``'s: ``--groups`` groups (default 4) of ``--group-size`` completions (default 8) of
+``--completion-tokens`` seeded random tokens (default 12) behind the demo's questions, distinct rewards. Both sides
+train the embedded SmolLM2-135M with the same fresh LoRA adapter (a trainer each, loaded from the same weights),
+``TrainConfig(learning_rate=1e-3)`` and the default packed groups:
+
+- ``prepacked``: ``prepacked_base_weights=True``: the LoRA layers' base products, forward and input gradient,
+  through oneDNN on copies of the frozen weights reordered once into its blocked layout (``training/fused_lora.py``);
+- ``plain``: PyTorch's matmuls on the weights themselves (MKL on CPU), the default.
+
+``--base-matmul-dtype bfloat16`` runs both sides with bf16 base matmuls (then ``prepacked`` packs bf16 copies).
+Timed: ``GRPOTrainer.train_step``, in this process, ``--threads`` torch threads (default 1, as a Ray trainer rank
+has); the sides alternate step by step, ``--steps`` timed steps each after one warm-up (which makes the copies).
+Checked and printed: the same forward tokens each step; the first step's loss and gradient norm, to rounding; the
+memory the copies take.
+
+    PYTHONPATH=core python tests/benchmarks/prepacked_base.py [--steps 6] [--threads 1] [--base-matmul-dtype bfloat16]
+
+The last line is a JSON object: ``prepacked_speedup`` (median plain over median prepacked), each side's medians,
+every step's seconds, ``copies_mb``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+from packed_groups import make_groups  # this folder's: the same step shape
+
+from art_core import LoraSettings, TrainConfig
+from art_core.models import resolve_base_model
+from art_core.training.loading import load_policy
+from art_core.training.trainer import GRPOTrainer
+
+
+def _copies_mb(trainer: GRPOTrainer) -> float:
+    """Memory the trainer's base-weight copies hold (their packed or cast tensors)."""
+    total = 0
+    for _, _, copy in trainer._base_copies.values():
+        tensors = {id(t): t for t in (copy._forward, copy._backward)}.values()  # one tensor when not packed
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total / 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--completion-tokens", type=int, default=12)
+    parser.add_argument("--base-matmul-dtype", choices=["bfloat16"], default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+
+    base = resolve_base_model("smollm2-135m-instruct")
+    sides = {}
+    for name in ("prepacked", "plain"):
+        torch.manual_seed(0)  # the same fresh adapter on both sides
+        policy, tokenizer = load_policy(base, LoraSettings(), device="cpu")
+        config = TrainConfig(learning_rate=1e-3, prepacked_base_weights=name == "prepacked",
+                             base_matmul_dtype=args.base_matmul_dtype)
+        sides[name] = (GRPOTrainer(policy, tokenizer), config)
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    first: dict[str, dict[str, float]] = {}
+    for step in range(args.steps + 1):  # step 0 warms up (and makes the copies)
+        groups = make_groups(tokenizer, args, step)
+        order = list(sides) if step % 2 == 0 else list(reversed(sides))
+        tokens = {}
+        for name in order:
+            trainer, config = sides[name]
+            started = time.perf_counter()
+            metrics = trainer.train_step(groups, config)
+            elapsed = time.perf_counter() - started
+            tokens[name] = metrics["forward_tokens"]
+            if step == 0:
+                first[name] = {k: metrics[k] for k in ("loss", "grad_norm", "micro_batches", "forward_tokens")}
+            else:
+                seconds[name].append(elapsed)
+        assert tokens["prepacked"] == tokens["plain"], f"the sides ran different tokens: {tokens}"
+        if step:
+            print(f"step {step}: prepacked {seconds['prepacked'][-1]:.2f} s, plain {seconds['plain'][-1]:.2f} s "
+                  f"({tokens['plain']:.0f} forward tokens)", flush=True)
+    copies = {name: round(_copies_mb(trainer), 1) for name, (trainer, _) in sides.items()}
+    print(f"first step: prepacked {first['prepacked']}, plain {first['plain']}")
+    print(f"base-weight copies: prepacked {copies['prepacked']} MiB, plain {copies['plain']} MiB")
+    medians = {name: statistics.median(values) for name, values in seconds.items()}
+    speedup = medians["plain"] / medians["prepacked"]
+    print(f"median step: prepacked {medians['prepacked']:.2f} s, plain {medians['plain']:.2f} s: {speedup:.2f}x")
+    print(json.dumps({"prepacked_speedup": round(speedup, 3), "median_seconds": medians, "seconds": seconds,
+                      "first_step": first, "copies_mb": copies, "load_before": load_before,
+                      "load_after": os.getloadavg(), "settings": vars(args)}))
+
+
+if __name__ == "__main__":
+    main()
