@@ -55,6 +55,34 @@ def make_groups(tokenizer: Any, args: argparse.Namespace, step: int) -> list[Tra
     return groups
 
 
+def alternate_steps(sides: dict[str, tuple[GRPOTrainer, TrainConfig]], tokenizer: Any, args: argparse.Namespace
+                    ) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
+    """``args.steps`` timed steps on each side after one warm-up, the sides alternating (their order flipped every
+    step); checks that they ran the same forward tokens. Returns each side's step seconds and its first step's
+    loss, gradient norm, micro-batches and forward tokens."""
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    first: dict[str, dict[str, float]] = {}
+    for step in range(args.steps + 1):  # step 0 warms up
+        groups = make_groups(tokenizer, args, step)
+        order = list(sides) if step % 2 == 0 else list(reversed(sides))
+        tokens = {}
+        for name in order:
+            trainer, config = sides[name]
+            started = time.perf_counter()
+            metrics = trainer.train_step(groups, config)
+            elapsed = time.perf_counter() - started
+            tokens[name] = metrics["forward_tokens"]
+            if step == 0:
+                first[name] = {k: metrics[k] for k in ("loss", "grad_norm", "micro_batches", "forward_tokens")}
+            else:
+                seconds[name].append(elapsed)
+        assert len(set(tokens.values())) == 1, f"the sides ran different tokens: {tokens}"
+        if step:
+            times = ", ".join(f"{name} {seconds[name][-1]:.2f} s" for name in sides)
+            print(f"step {step}: {times} ({tokens[order[0]]:.0f} forward tokens)", flush=True)
+    return seconds, first
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6)
@@ -72,26 +100,7 @@ def main() -> None:
         torch.manual_seed(0)  # the same fresh adapter on both sides
         policy, tokenizer = load_policy(base, LoraSettings(), device="cpu")
         sides[name] = (GRPOTrainer(policy, tokenizer), TrainConfig(learning_rate=1e-3, pack_groups=name == "packed"))
-    seconds: dict[str, list[float]] = {name: [] for name in sides}
-    first: dict[str, dict[str, float]] = {}
-    for step in range(args.steps + 1):  # step 0 warms up
-        groups = make_groups(tokenizer, args, step)
-        order = list(sides) if step % 2 == 0 else list(reversed(sides))
-        tokens = {}
-        for name in order:
-            trainer, config = sides[name]
-            started = time.perf_counter()
-            metrics = trainer.train_step(groups, config)
-            elapsed = time.perf_counter() - started
-            tokens[name] = metrics["forward_tokens"]
-            if step == 0:
-                first[name] = {k: metrics[k] for k in ("loss", "grad_norm", "micro_batches", "forward_tokens")}
-            else:
-                seconds[name].append(elapsed)
-        assert tokens["packed"] == tokens["apart"], f"the sides ran different tokens: {tokens}"
-        if step:
-            print(f"step {step}: packed {seconds['packed'][-1]:.2f} s, apart {seconds['apart'][-1]:.2f} s "
-                  f"({tokens['packed']:.0f} forward tokens)", flush=True)
+    seconds, first = alternate_steps(sides, tokenizer, args)
     print(f"first step: packed {first['packed']}, apart {first['apart']}")
     medians = {name: statistics.median(values) for name, values in seconds.items()}
     speedup = medians["apart"] / medians["packed"]

@@ -28,10 +28,9 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
-from packed_groups import make_groups  # this folder's: the same step shape
+from packed_groups import alternate_steps  # this folder's: the same step shape, timed the same way
 
 from art_core import LoraSettings, TrainConfig
 from art_core.models import resolve_base_model
@@ -68,26 +67,7 @@ def main() -> None:
         config = TrainConfig(learning_rate=1e-3, prepacked_base_weights=name == "prepacked",
                              base_matmul_dtype=args.base_matmul_dtype)
         sides[name] = (GRPOTrainer(policy, tokenizer), config)
-    seconds: dict[str, list[float]] = {name: [] for name in sides}
-    first: dict[str, dict[str, float]] = {}
-    for step in range(args.steps + 1):  # step 0 warms up (and makes the copies)
-        groups = make_groups(tokenizer, args, step)
-        order = list(sides) if step % 2 == 0 else list(reversed(sides))
-        tokens = {}
-        for name in order:
-            trainer, config = sides[name]
-            started = time.perf_counter()
-            metrics = trainer.train_step(groups, config)
-            elapsed = time.perf_counter() - started
-            tokens[name] = metrics["forward_tokens"]
-            if step == 0:
-                first[name] = {k: metrics[k] for k in ("loss", "grad_norm", "micro_batches", "forward_tokens")}
-            else:
-                seconds[name].append(elapsed)
-        assert tokens["prepacked"] == tokens["plain"], f"the sides ran different tokens: {tokens}"
-        if step:
-            print(f"step {step}: prepacked {seconds['prepacked'][-1]:.2f} s, plain {seconds['plain'][-1]:.2f} s "
-                  f"({tokens['plain']:.0f} forward tokens)", flush=True)
+    seconds, first = alternate_steps(sides, tokenizer, args)  # step 0 also makes the copies
     copies = {name: round(_copies_mb(trainer), 1) for name, (trainer, _) in sides.items()}
     print(f"first step: prepacked {first['prepacked']}, plain {first['plain']}")
     print(f"base-weight copies: prepacked {copies['prepacked']} MiB, plain {copies['plain']} MiB")
