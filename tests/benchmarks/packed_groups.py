@@ -83,23 +83,35 @@ def alternate_steps(sides: dict[str, tuple[GRPOTrainer, TrainConfig]], tokenizer
     return seconds, first
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def step_shape_parser(description: str) -> argparse.ArgumentParser:
+    """The command line of a benchmark that times this step shape: steps, threads and the shape itself."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--completion-tokens", type=int, default=12)
-    args = parser.parse_args()
+    return parser
+
+
+def trainers(configs: dict[str, TrainConfig]) -> tuple[dict[str, tuple[GRPOTrainer, TrainConfig]], Any]:
+    """A trainer per side, each on the embedded SmolLM2-135M with the same fresh adapter; and the tokenizer."""
+    base = resolve_base_model("smollm2-135m-instruct")
+    sides = {}
+    for name, config in configs.items():
+        torch.manual_seed(0)  # the same fresh adapter on every side
+        policy, tokenizer = load_policy(base, LoraSettings(), device="cpu")
+        sides[name] = (GRPOTrainer(policy, tokenizer), config)
+    return sides, tokenizer
+
+
+def main() -> None:
+    args = step_shape_parser(__doc__.split("\n\n")[0]).parse_args()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
 
-    base = resolve_base_model("smollm2-135m-instruct")
-    sides = {}
-    for name in ("packed", "apart"):
-        torch.manual_seed(0)  # the same fresh adapter on both sides
-        policy, tokenizer = load_policy(base, LoraSettings(), device="cpu")
-        sides[name] = (GRPOTrainer(policy, tokenizer), TrainConfig(learning_rate=1e-3, pack_groups=name == "packed"))
+    sides, tokenizer = trainers({name: TrainConfig(learning_rate=1e-3, pack_groups=name == "packed")
+                                 for name in ("packed", "apart")})
     seconds, first = alternate_steps(sides, tokenizer, args)
     print(f"first step: packed {first['packed']}, apart {first['apart']}")
     medians = {name: statistics.median(values) for name, values in seconds.items()}

@@ -24,17 +24,14 @@ every step's seconds, ``copies_mb``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 
 import torch
-from packed_groups import alternate_steps  # this folder's: the same step shape, timed the same way
+from packed_groups import alternate_steps, step_shape_parser, trainers  # this folder's: the same step
 
-from art_core import LoraSettings, TrainConfig
-from art_core.models import resolve_base_model
-from art_core.training.loading import load_policy
+from art_core import TrainConfig
 from art_core.training.trainer import GRPOTrainer
 
 
@@ -48,25 +45,16 @@ def _copies_mb(trainer: GRPOTrainer) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--completion-tokens", type=int, default=12)
+    parser = step_shape_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--base-matmul-dtype", choices=["bfloat16"], default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
 
-    base = resolve_base_model("smollm2-135m-instruct")
-    sides = {}
-    for name in ("prepacked", "plain"):
-        torch.manual_seed(0)  # the same fresh adapter on both sides
-        policy, tokenizer = load_policy(base, LoraSettings(), device="cpu")
-        config = TrainConfig(learning_rate=1e-3, prepacked_base_weights=name == "prepacked",
-                             base_matmul_dtype=args.base_matmul_dtype)
-        sides[name] = (GRPOTrainer(policy, tokenizer), config)
+    sides, tokenizer = trainers({
+        name: TrainConfig(learning_rate=1e-3, prepacked_base_weights=name == "prepacked",
+                          base_matmul_dtype=args.base_matmul_dtype)
+        for name in ("prepacked", "plain")})
     seconds, first = alternate_steps(sides, tokenizer, args)  # step 0 also makes the copies
     copies = {name: round(_copies_mb(trainer), 1) for name, (trainer, _) in sides.items()}
     print(f"first step: prepacked {first['prepacked']}, plain {first['plain']}")
