@@ -50,6 +50,9 @@ class LoraSettings(_Config):
     """0: dropout would make the trainer's log-probs disagree with the sampler's."""
     target_modules: list[str] = Field(default_factory=lambda: list(ALL_LINEAR))
     """All linear layers, attention and MLP: adapting the MLP matters most (same paper)."""
+    seed: int | None = None
+    """Seeds a fresh adapter's initial weights (LoRA's A matrices; B starts at zero), so that a run can be repeated
+    exactly; None: drawn from torch's global random state. Not used when a checkpoint is resumed."""
 
 
 class TrainConfig(_Config):

@@ -42,6 +42,20 @@ def _sequence_logprob(model, completion: list[int]) -> float:
     return logp[torch.arange(len(targets)), targets][len(PROMPT) - 1:].sum().item()
 
 
+def test_a_seeded_adapter_starts_the_same_and_leaves_the_global_random_state_alone(tiny_model_dir):
+    def lora_a(seed: int) -> list[torch.Tensor]:
+        policy, _ = load_policy(tiny_model_dir, LoraSettings(rank=4, alpha=8, seed=seed), device="cpu")
+        return [p.detach() for n, p in policy.named_parameters() if "lora_A" in n]
+
+    torch.manual_seed(123)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(123)
+    first = lora_a(0)
+    assert torch.equal(torch.rand(3), expected_draw)  # the seed applied inside load_policy only
+    assert all(torch.equal(a, b) for a, b in zip(first, lora_a(0), strict=True))
+    assert not any(torch.equal(a, b) for a, b in zip(first, lora_a(1), strict=True))
+
+
 def test_rewarded_completion_becomes_more_likely(tiny_model_dir):
     torch.manual_seed(0)
     model, tokenizer = load_policy(tiny_model_dir, LoraSettings(), device="cpu")

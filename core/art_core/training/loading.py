@@ -7,6 +7,8 @@ needs the training step to load one.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +45,27 @@ def load_policy(base_dir: Path, lora: LoraSettings, *, device: str, adapter_dir:
     if adapter_dir is None:
         config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                             target_modules=present_lora_targets(base, lora.target_modules), task_type="CAUSAL_LM")
-        model = get_peft_model(base, config)
+        with _seeded(lora.seed):
+            model = get_peft_model(base, config)
     else:
         try:
             model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
         except Exception as exc:
             raise CheckpointError(f"cannot load the adapter in {adapter_dir} onto {base_dir}: {exc}") from exc
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None) -> Iterator[None]:
+    """Within the block, torch draws from ``seed`` (on the CPU and every CUDA device); the random states are put
+    back after, so nothing outside the block is seeded. ``seed=None``: the block changes nothing."""
+    if seed is None:
+        yield
+        return
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=cuda):  # manual_seed seeds them all: restore them all
+        torch.manual_seed(seed)
+        yield
 
 
 def present_lora_targets(model: torch.nn.Module, wanted: list[str]) -> list[str]:
