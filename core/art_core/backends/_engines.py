@@ -91,7 +91,7 @@ class TransformersOptions(CheckedSettings):
     elsewhere). True (``"float32"``): ~1.8x faster decode steps at 8 rows on the development CPU, for a second copy
     of the linear weights in memory (0.54 GB for SmolLM2-135M) and log-probs that differ from the default path's
     by rounding (up to ~4e-5 on SmolLM2-135M, so a seeded request can sample another token). ``"bfloat16"``: the
-    copies in bfloat16 but the output embedding's (half the memory; ~1.2x faster again on a CPU with native bf16,
+    copies in bfloat16 but the output embedding's (half the memory; 1.06x faster again on a CPU with native bf16,
     slower without): the engine samples from a bf16 policy, records that policy's log-probs, and the trainer's
     importance weights correct for the gap. Training is unchanged: the trainer never sees the packed copies, and
     a LoRA step re-packs only the adapter's matrices."""

@@ -14,7 +14,7 @@ layer's keys and values live in pre-allocated buffers, so a step writes its colu
 ``packed_weights=True`` runs the linear layers through oneDNN with weights packed once (``engines/_packed.py``):
 the matrix products are most of a step, and PyTorch's default path for them is ~1.8x slower at 8 rows; off by
 default, since the different summation order moves log-probs past 1e-5. ``packed_weights="bfloat16"`` packs
-them in bfloat16 (the output embedding stays float32), about twice as fast again on a CPU with native bf16:
+them in bfloat16 (the output embedding stays float32): GEMMs about twice as fast on a CPU with native bf16, a step less:
 the engine then samples from a slightly different policy than the float32 trainer, and the log-probs it
 records are that policy's own, which the trainer's importance weights correct for.
 
