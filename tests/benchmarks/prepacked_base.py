@@ -37,11 +37,7 @@ from art_core.training.trainer import GRPOTrainer
 
 def _copies_mb(trainer: GRPOTrainer) -> float:
     """Memory the trainer's base-weight copies hold (their packed or cast tensors)."""
-    total = 0
-    for _, _, copy in trainer._base_copies.values():
-        tensors = {id(t): t for t in (copy._forward, copy._backward)}.values()  # one tensor when not packed
-        total += sum(t.numel() * t.element_size() for t in tensors)
-    return total / 2**20
+    return sum(copy.nbytes for _, _, copy in trainer._base_copies.values()) / 2**20
 
 
 def main() -> None:

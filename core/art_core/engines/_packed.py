@@ -59,6 +59,7 @@ import torch.nn.functional as F
 
 from .._cpu import cpu_has_native_bf16
 from .._cpu import onednn_packing_available as packing_available  # the name its callers import
+from .._weight_copy import BaseWeight
 
 __all__ = ["PackedLinears", "PackedWeights", "packed_linears", "packing_available"]
 
@@ -110,8 +111,8 @@ class PackedLinears:
         self.dtype = dtype
         """The packed copies' dtype: float32, or bfloat16 (every linear layer but the output embedding: see the
         module's docstring)."""
-        # module -> (what its weight, bias and the dtype were when packed, packed weight, bias in that dtype)
-        self._packed: dict[torch.nn.Linear, tuple[Any, torch.Tensor, torch.Tensor | None]] = {}
+        # module -> (what its weight and the dtype were when packed, the packed copy)
+        self._packed: dict[torch.nn.Linear, tuple[Any, BaseWeight]] = {}
         self.packs = 0
         """Weights packed so far (re-packing after a change counts again)."""
 
@@ -121,7 +122,7 @@ class PackedLinears:
     @property
     def nbytes(self) -> int:
         """Memory the packed weight copies hold."""
-        return sum(packed.numel() * packed.element_size() for _, packed, _ in self._packed.values())
+        return sum(copy.nbytes for _, copy in self._packed.values())
 
     def clear(self) -> None:
         """Drop every packed copy (the weights may have changed behind the version counter)."""
@@ -156,24 +157,19 @@ class PackedLinears:
             weight = module.weight
             if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad) or x.dtype != weight.dtype:
                 return F.linear(x, weight, module.bias)  # the packed operator has no backward
-            packed, bias = self._weight(module, weight, dtype)
             shape = x.shape
-            rows = x.reshape(-1, shape[-1]).to(dtype)  # a copy only in bfloat16
-            out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "").to(x.dtype)
+            out = self._weight(module, weight, dtype).product(x.reshape(-1, shape[-1]), module.bias)
             return out.reshape(*shape[:-1], out.shape[-1])  # [..., in] -> [..., out]
 
         return forward
 
-    def _weight(self, module: torch.nn.Linear, weight: torch.Tensor,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The packed weight and the bias in the same dtype, made again if the weight or the bias changed."""
-        bias = module.bias
-        fingerprint = (_fingerprint(weight), _fingerprint(bias) if bias is not None else None, dtype)
+    def _weight(self, module: torch.nn.Linear, weight: torch.Tensor, dtype: torch.dtype) -> BaseWeight:
+        """The module's packed copy, made again if its weight changed."""
+        fingerprint = (_fingerprint(weight), dtype)
         entry = self._packed.get(module)
         if entry is None or entry[0] != fingerprint:
             # No batch-size hint: the same copy serves every row count (1 row decoding to a long prefill).
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype), None)
-            entry = (fingerprint, packed, bias.detach().to(dtype) if bias is not None else None)
+            entry = (fingerprint, BaseWeight(weight, dtype, packed=True, gradients=False))
             self._packed[module] = entry
             self.packs += 1
-        return entry[1], entry[2]
+        return entry[1]

@@ -37,44 +37,9 @@ from typing import Any
 import torch
 
 from .._cpu import cpu_has_native_bf16, onednn_packing_available
+from .._weight_copy import BaseWeight
 
 __all__ = ["BaseCopies", "BaseWeight", "LoraLinear", "base_matmuls", "cpu_has_native_bf16", "fused_lora"]
-
-
-class BaseWeight:
-    """A frozen base weight as the fused layers multiply by it: a copy in another dtype, or in oneDNN's blocked
-    layout (two: the weight for the forward product, its transpose for the input gradient), or both.
-
-    Products take and return the rows' dtype; inside, they run in ``dtype`` (outputs rounded to it).
-    """
-
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, packed: bool) -> None:
-        copy = weight.detach().to(dtype)
-        self.dtype = dtype
-        self.packed = packed
-        if packed:
-            reorder = torch.ops.mkldnn._reorder_linear_weight
-            self._forward = reorder(copy, None)  # [out, in] as a linear weight: rows @ W.T
-            self._backward = reorder(copy.t().contiguous(), None)  # [in, out] as a linear weight: grad @ W
-        else:
-            self._forward = self._backward = copy
-
-    def product(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``rows @ W.T + b``: ``[N, in] -> [N, out]``."""
-        out = self._mm(rows, self._forward, transpose=True)
-        return out.add_(bias) if bias is not None else out
-
-    def grad_input(self, grad_rows: torch.Tensor) -> torch.Tensor:
-        """``grad @ W``: ``[N, out] -> [N, in]``."""
-        return self._mm(grad_rows, self._backward, transpose=False)
-
-    def _mm(self, rows: torch.Tensor, weight: torch.Tensor, *, transpose: bool) -> torch.Tensor:
-        x = rows.to(self.dtype)
-        if self.packed:
-            out = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-        else:
-            out = x @ (weight.t() if transpose else weight)
-        return out.to(rows.dtype)
 
 
 BaseCopies = dict[int, tuple["weakref.ref[torch.Tensor]", int, BaseWeight]]
