@@ -18,7 +18,8 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="needs art-core[distributed]")
 
-from art_core import CallRecord, LoraSettings, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup  # noqa: E402
+from art_core import (CallRecord, LoraSettings, TrainableModel, TrainConfig, Trajectory,  # noqa: E402
+                      TrajectoryGroup, TransformersOptions)
 from art_core.backends.ray import RayBackend  # noqa: E402
 from art_core.training.trainer import GRPOTrainer, load_policy  # noqa: E402
 
@@ -216,3 +217,30 @@ async def test_fsdp2_trainer_group_matches_one_process(cluster: Any, tiny_model_
           f"(largest gradient {scale:.3e})")
     assert scale > 0 and diff <= 1e-4 * scale
     assert all((rank0[n] == rank1[n]).all() for n in names)
+
+
+async def test_replicas_take_the_transformers_engine_options(cluster: Any, tiny_model_dir: Path,
+                                                             tmp_path: Path) -> None:
+    """``RayBackend(transformers=TransformersOptions(...))`` reaches each replica's engine: with packed weights, its
+    decode runs through the packed copies, before and after a step's adapter is loaded."""
+    model = TrainableModel(name="packed", base_model=tiny_model_dir, lora=LoraSettings(rank=4, alpha=8))
+    backend = RayBackend(address=cluster.address, path=tmp_path, num_threads=1, cpus_per_replica=1,
+                         cpus_per_rank=1, runtime_env=_runtime_env(),
+                         transformers=TransformersOptions(packed_weights=True, max_batch_rows=4))
+    async with backend:
+        await model.register(backend)
+        router = backend.router(model.spec)
+        [replica] = (await router.health())["replica_health"]
+        assert replica["packed_layers"] == 0, "nothing decoded yet: no copy packed"
+        chat = [{"role": "user", "content": "Hi"}]
+        first = await model.sample(chat, n=2, max_tokens=4, temperature=1.0)
+        [replica] = (await router.health())["replica_health"]
+        # 2 layers x (q, k, v, o, gate, up, down) x (the base's, LoRA's A and B), and the output embedding
+        linears = 2 * 7 * 3 + 1
+        assert replica["packed_layers"] == linears and replica["max_rows"] == 2
+        first[0].reward, first[1].reward = 1.0, 0.0
+        await model.train([TrajectoryGroup(first)], config=TrainConfig(learning_rate=1e-3))
+        [after] = await model.sample(chat, n=1, max_tokens=4)
+        [replica] = (await router.health())["replica_health"]
+        assert replica["adapter_step"] == 1 and after.calls[0].adapter_step == 1
+        assert replica["packed_layers"] == linears

@@ -112,6 +112,9 @@ async def test_three_steps_through_a_langgraph_group(served: tuple[TrainableMode
     engine = (await _health(model, fresh=True))["engine"]
     # On CPU the adapter is merged into vLLM's weights (VLLMOptions.adapters="auto"): checkpoint 3's.
     assert engine["adapters"] == "merged" and engine["adapter_step"] == 3 and engine["model"] == "base"
+    merges = engine["merge_times"]  # one merged reload per step; the held time is the drain and the reload
+    assert merges["merges"] == 3 and merges["seconds_merging"] > 0
+    assert merges["seconds_held"] == pytest.approx(merges["seconds_draining"] + merges["seconds_merging"])
     assert [row["step"] for row in await model.history()] == [1, 2, 3]
 
 

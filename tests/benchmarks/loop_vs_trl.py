@@ -18,7 +18,9 @@ attention, LM head and loss in fp32), TRL with ``bf16=True`` (accelerate's bf16 
 forward: every linear layer, the LM head included). ``--packed-weights`` has our engine decode through oneDNN with
 packed weights (``TransformersOptions(packed_weights=True)``: log-probs that differ from the default path's by
 rounding); ``--packed-weights bfloat16`` packs them in bf16 (the sampling policy is then the bf16 model's, whose
-log-probs the engine records); TRL's ``generate`` is unchanged.
+log-probs the engine records); TRL's ``generate`` is unchanged. ``--prepacked-base-weights`` has our trainer run
+the frozen base weights' products through oneDNN on fp32 copies packed once (``TrainConfig(prepacked_base_weights=
+True)``: the same numbers to float rounding, two more copies of the linear weights in memory); TRL is unchanged.
 
 The three sides, each in its own process:
 
@@ -221,7 +223,7 @@ class Clock:
 
 async def _ours(model_dir: Path, questions: list[tuple[int, int]], scratch: str, *, pipelined: bool,
                 steps: int, per_step: int, group_size: int, max_tokens: int, lr: float,
-                bf16: bool, packed_weights: bool | str = False) -> dict[str, Any]:
+                bf16: bool, packed_weights: bool | str = False, prepacked_base: bool = False) -> dict[str, Any]:
     from art_core import LocalBackend, TrainableModel, TrainConfig, TrajectoryGroup, TransformersOptions, pipeline
 
     t0 = time.perf_counter()
@@ -234,7 +236,7 @@ async def _ours(model_dir: Path, questions: list[tuple[int, int]], scratch: str,
     model = TrainableModel(name="adder", project="bench", base_model=str(model_dir))
     config = TrainConfig(loss="dapo", beta=0.0, learning_rate=lr, max_grad_norm=MAX_GRAD_NORM, weight_decay=0.0,
                          tis_cap=None, loss_options={"epsilon_low": EPSILON_LOW, "epsilon_high": EPSILON_HIGH},
-                         base_matmul_dtype="bfloat16" if bf16 else None)
+                         base_matmul_dtype="bfloat16" if bf16 else None, prepacked_base_weights=prepacked_base)
     async with backend:
         await model.register(backend)
         adapter = reset_adapter(backend._models.get(model.spec).trainer.model, SEED)  # the trainer's module
@@ -369,8 +371,8 @@ def _trl(model_dir: Path, questions: list[tuple[int, int]], scratch: str, *, ste
 
 
 def run_side(side: str, model_dir: Path, *, steps: int, per_step: int, group_size: int, max_tokens: int,
-             lr: float, threads: int, seed: int, bf16: bool = False, packed_weights: bool | str = False
-             ) -> dict[str, Any]:
+             lr: float, threads: int, seed: int, bf16: bool = False, packed_weights: bool | str = False,
+             prepacked_base: bool = False) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
@@ -383,7 +385,7 @@ def run_side(side: str, model_dir: Path, *, steps: int, per_step: int, group_siz
             result = _trl(model_dir, questions, scratch, seed=seed, **kwargs)
         else:
             result = asyncio.run(_ours(model_dir, questions, scratch, pipelined=side == "ours_pipelined",
-                                       packed_weights=packed_weights, **kwargs))
+                                       packed_weights=packed_weights, prepacked_base=prepacked_base, **kwargs))
     return {"side": side, "questions": _fingerprint(questions), **result,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB on Linux
 
@@ -396,7 +398,8 @@ def _spawn(side: str, model_dir: Path, args: argparse.Namespace) -> dict[str, An
     options = ["--model", str(model_dir), "--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step),
                "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens), "--lr", repr(args.lr),
                "--threads", str(args.threads), "--seed", str(args.seed)] + (["--bf16"] if args.bf16 else []) \
-        + (["--packed-weights", args.packed_weights] if args.packed_weights else [])
+        + (["--packed-weights", args.packed_weights] if args.packed_weights else []) \
+        + (["--prepacked-base-weights"] if args.prepacked_base_weights else [])
     return run_side_process(__file__, side, options, threads=args.threads)
 
 
@@ -421,6 +424,9 @@ def main() -> None:
                         help="our engine decodes through oneDNN with packed weights (TransformersOptions("
                              "packed_weights=...): float32 if no value is given, or bfloat16, whose sampling policy "
                              "differs from the float32 trainer's by bf16 rounding); TRL's generate is unchanged")
+    parser.add_argument("--prepacked-base-weights", action="store_true",
+                        help="ours trains with TrainConfig(prepacked_base_weights=True) (the frozen base's products "
+                             "through oneDNN on pre-packed fp32 copies); TRL has no such option and is unchanged")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # internal: run one side
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -428,7 +434,8 @@ def main() -> None:
     if args.side:
         result = run_side(args.side, Path(args.model), steps=args.steps, per_step=args.prompts_per_step,
                           group_size=args.group_size, max_tokens=args.max_tokens, lr=args.lr, threads=args.threads,
-                          seed=args.seed, bf16=args.bf16, packed_weights=args.packed_weights)
+                          seed=args.seed, bf16=args.bf16, packed_weights=args.packed_weights,
+                          prepacked_base=args.prepacked_base_weights)
         Path(args.result_file).write_text(json.dumps(result))
         return
 
@@ -530,6 +537,7 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> N
         "loop_speedup_sync_vs_trl": round(speedup_sync, 3),
         "loop_speedup_pipelined_vs_sync": round(spm["ours_pipelined"] / spm["ours_sync"], 3),
         "bf16_matmuls": args.bf16, "packed_weights": args.packed_weights,
+        "prepacked_base_weights": args.prepacked_base_weights,
         "steps_per_min": {side: round(spm[side], 3) for side in SIDES},
         "loop_s": {side: round(loop_s[side], 2) for side in SIDES},
         "timing_basis": {side: estimate[side][1] for side in SIDES},

@@ -23,14 +23,19 @@ Layouts (``--layouts``):
 Timed per arm: the pipeline call alone (rollouts and steps; model load, a warm-up request and the held-out
 evaluations apart). Printed
 per arm: seconds per step, trajectories trained per minute, the share of wall time rollouts and training ran at
-once, mean staleness, groups dropped as stale, held-out success before and after. Per layout, the speed-up of
+once, mean staleness, groups dropped as stale, held-out success before and after, and the mean seconds a step
+spent publishing its checkpoint (``seconds_adapter_load``: the engine taking it, its requests in flight finishing
+first); on vLLM, whose CPU build takes each checkpoint merged into its weights, also how long each merge held new
+requests, split into waiting for those in flight and the reload itself (``VLLMEngine.merge_times``). Per layout, the speed-up of
 each bound is synchronous seconds per step over its own (mean over seeds), and the held-out gap is its mean
 success after training minus the synchronous arm's. The last line is a JSON object with ``async_speedup_<layout>``
 (``max_off_policy=1``), ``async_speedup_<layout>_m2``, ``heldout_gap_<layout>`` (points, ``max_off_policy=1``)
 and every arm's figures. The machine may be shared: the load average before and after goes into the JSON.
 ``--base-matmul-dtype bfloat16`` trains every arm with ``TrainConfig(base_matmul_dtype="bfloat16")`` (the engines
 still sample in fp32); ``--prepacked-base-weights`` with ``TrainConfig(prepacked_base_weights=True)`` (fp32 by
-default: the base products through oneDNN on pre-packed copies).
+default: the base products through oneDNN on pre-packed copies). ``--packed-weights [float32|bfloat16]`` has the
+transformers engine decode through oneDNN on packed weights (``TransformersOptions(packed_weights=...)``: the Ray
+replica's and the in-process engine's) in every arm of those layouts.
 
     python tests/benchmarks/pipeline.py [--layouts ray transformers vllm] [--seeds 0 1 2] [--steps 10]
 
@@ -52,7 +57,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from art_core import LocalBackend, TrainableModel, TrainConfig, TrajectoryGroup, pipeline
+from art_core import LocalBackend, TrainableModel, TrainConfig, TrajectoryGroup, TransformersOptions, pipeline
 from art_core.demo import AdditionTask, addition_reward, held_out_success, make_tasks
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -76,7 +81,7 @@ def _ray_cluster(root: Path) -> Any:
     return cluster
 
 
-def _backend(layout: str, bound: int, root: Path, cluster: Any) -> Any:
+def _backend(layout: str, bound: int, root: Path, cluster: Any, packed_weights: bool | str = False) -> Any:
     serve_during_steps = bound > 0
     if layout == "ray":
         from art_core.backends.ray import RayBackend
@@ -86,12 +91,14 @@ def _backend(layout: str, bound: int, root: Path, cluster: Any) -> Any:
         return RayBackend(address=cluster.address, path=root, inference_replicas=1, trainer_workers=1,
                           rollout_workers=1, num_threads=1, cpus_per_replica=1, cpus_per_rank=1,
                           resources={"replica": {"replica_node": 1}, "trainer": {"trainer_node": 1}},
-                          runtime_env={"env_vars": env}, pause_during_step=not serve_during_steps)
+                          runtime_env={"env_vars": env}, pause_during_step=not serve_during_steps,
+                          transformers=TransformersOptions(packed_weights=packed_weights))
     if layout == "vllm":
         return LocalBackend(path=root, inference="vllm", show_progress=False, num_threads=1,
                             pause_during_step=not serve_during_steps)
-    return LocalBackend(path=root, show_progress=False,
-                        **(LocalBackend.serving_during_steps() if serve_during_steps else {}))
+    return LocalBackend(path=root, show_progress=False, pause_during_step=not serve_during_steps,
+                        transformers=TransformersOptions(packed_weights=packed_weights,
+                                                         separate_module=serve_during_steps))
 
 
 async def run_arm(layout: str, bound: int, seed: int, args: argparse.Namespace, root: Path, cluster: Any,
@@ -103,7 +110,7 @@ async def run_arm(layout: str, bound: int, seed: int, args: argparse.Namespace, 
                            base_model=args.base_model)
     config = TrainConfig(learning_rate=args.learning_rate, base_matmul_dtype=args.base_matmul_dtype,
                          prepacked_base_weights=args.prepacked_base_weights)
-    async with _backend(layout, bound, root, cluster) as backend:
+    async with _backend(layout, bound, root, cluster, args.packed_weights) as backend:
         await model.register(backend)
         if layout == "vllm":
             os.sched_setaffinity(0, {1})  # the trainer (this process) on core 1; vLLM bound itself to core 0
@@ -125,6 +132,7 @@ async def run_arm(layout: str, bound: int, seed: int, args: argparse.Namespace, 
                                 max_off_policy=bound, concurrency=args.groups, config=config,
                                 log=lambda line: print(f"  [{layout} m={bound} seed {seed}] {line}", flush=True))
         wall = time.perf_counter() - started
+        engine_health = await backend.gateway(model.spec).engine.health()
         after = await held_out_success(model, eval_tasks, max_tokens=args.max_tokens, seed=seed)
     if layout == "vllm":
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
@@ -136,11 +144,18 @@ async def run_arm(layout: str, bound: int, seed: int, args: argparse.Namespace, 
            "staleness_mean": statistics.fmean(s.metrics.get("staleness_mean", 0.0) for s in steps),
            "groups_stale": sum(int(s.metrics.get("groups_stale", 0)) for s in steps),
            "rollouts_failed": report.rollouts_failed, "heldout_before": before, "heldout_after": after,
-           "rewards": [s.metrics.get("reward_mean") for s in steps]}
+           "rewards": [s.metrics.get("reward_mean") for s in steps],
+           "adapter_load_s": [round(s.metrics.get("seconds_adapter_load", 0.0), 3) for s in steps]}
+    merges = engine_health.get("merge_times")
+    if merges and merges["merges"]:  # vLLM on CPU: each checkpoint merged into its weights, requests held meanwhile
+        row["merge_pause_s"] = {k.removeprefix("seconds_"): round(v / merges["merges"], 3)
+                                for k, v in merges.items() if k.startswith("seconds_")}
     print(f"{layout:12s} m={bound} seed {seed}: {row['seconds_per_step']:.1f} s/step, "
           f"{row['trajectories_per_minute']:.1f} trajectories/min, both at once {row['overlap']:.0%}, "
           f"staleness {row['staleness_mean']:.2f}, {row['groups_stale']} stale, "
-          f"held-out {before:.1%} -> {after:.1%}", flush=True)
+          f"held-out {before:.1%} -> {after:.1%}, publishing a checkpoint {statistics.fmean(row['adapter_load_s']):.2f} s"
+          + (" (vLLM held requests {held:.2f} s a merge: {draining:.2f} s for those in flight, {merging:.2f} s "
+             "reloading)".format(**row["merge_pause_s"]) if "merge_pause_s" in row else ""), flush=True)
     return row
 
 
@@ -211,6 +226,10 @@ def main() -> None:
                         help="TrainConfig.base_matmul_dtype for every arm (default: the model's own, fp32 on CPU)")
     parser.add_argument("--prepacked-base-weights", action="store_true",
                         help="TrainConfig(prepacked_base_weights=True) for every arm (oneDNN on pre-packed copies)")
+    parser.add_argument("--packed-weights", nargs="?", const="float32", default=False,
+                        choices=["float32", "bfloat16"],
+                        help="TransformersOptions(packed_weights=...) for the transformers engine in every arm "
+                             "(the Ray replica's, the in-process one's); the flag alone: float32")
     args = parser.parse_args()
     if 0 not in args.bounds:
         parser.error("--bounds must include 0: the synchronous arm every speed-up is measured against")

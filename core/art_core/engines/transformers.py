@@ -299,6 +299,8 @@ class TransformersEngine:
     async def health(self) -> dict[str, Any]:
         return {"engine": "transformers", "adapter_step": self._adapter_step, "queued": len(self._queue), **self.stats,
                 "running_rows": self.running_rows,
+                # linear layers decoding through packed copies (packed_weights; 0: off, or nothing decoded yet)
+                "packed_layers": len(self._packed) if self._packed is not None else 0,
                 "paused": bool(self._serving and not self._serving.is_set()), "closed": self._closed}
 
     async def aclose(self) -> None:

@@ -135,6 +135,11 @@ class VLLMEngine:
         # answers late, and health() (the gateway polls it every second) must not wait for that.
         self._answered = True  # the last probe's answer (start() waited for /health to answer)
         self._probe: asyncio.Task[None] | None = None
+        self.merge_times = {"merges": 0, "seconds_held": 0.0, "seconds_draining": 0.0, "seconds_merging": 0.0}
+        """Merged adapter loads so far (``adapters="merged"``) and their seconds, summed: new requests held
+        (``seconds_held``), of which waiting for the requests in flight to finish on the old weights
+        (``seconds_draining``), then the reload itself and the prefix cache's reset, nothing served
+        (``seconds_merging``). ``health()["merge_times"]`` has them too."""
 
     # ----------------------------------------------------------------------------------------- start / stop
 
@@ -473,9 +478,11 @@ class VLLMEngine:
 
     async def _load_merged(self, path: Path, step: int) -> None:
         was_open = self._open.is_set()
+        held = time.perf_counter()
         self._open.clear()  # hold new requests: none may run on half-reloaded weights
         try:
             await self._idle.wait()
+            drained = time.perf_counter()
             self._check_alive(f"load adapter {path} as step {step}")
             reply = await self._post("/collective_rpc", {"method": "art_merge_adapter",
                                                          "kwargs": {"adapter_dir": str(path)}})
@@ -490,6 +497,12 @@ class VLLMEngine:
             # Prefix-cache entries hold keys and values computed with the old weights.
             await self._post("/reset_prefix_cache", None)
             self._adapter_step = step
+            done = time.perf_counter()
+            times = self.merge_times
+            times["merges"] += 1
+            times["seconds_held"] += done - held
+            times["seconds_draining"] += drained - held
+            times["seconds_merging"] += done - drained
         finally:
             if was_open and self._state is _State.RUNNING:
                 self._open.set()
@@ -527,7 +540,7 @@ class VLLMEngine:
     async def health(self) -> dict[str, Any]:
         """``pid``, ``port``, ``adapter_step``, ``model`` (the name requests are served under: ``step-N``, or
         ``base`` when adapters are merged), ``adapters``, ``alive`` (process running and ``/health`` answering),
-        ``sleeping``, ``log_path``, and more.
+        ``sleeping``, ``log_path``, ``merge_times`` (``self.merge_times``), and more.
 
         Never waits on the server: ``alive`` is the process's state now and the answer of the last probe of
         ``/health``, which runs in the background (each call starts the next one when none is running, so
@@ -548,6 +561,7 @@ class VLLMEngine:
             "sleeping": self._sleeping,
             "in_flight": sum(self._in_flight.values()),
             "log_path": str(self.log_path),
+            "merge_times": dict(self.merge_times),
         }
 
     async def _probe_health(self) -> None:

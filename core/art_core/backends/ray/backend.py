@@ -45,7 +45,7 @@ from .._steps import StepRunner, Trained
 from ..base import ModelSpec, Progress
 
 if TYPE_CHECKING:
-    from .._engines import VLLMOptions
+    from .._engines import TransformersOptions, VLLMOptions
     from ...gateway import Gateway
     from .replicas import ReplicaRouter
     from .rollouts import RolloutPool, RolloutStats
@@ -122,6 +122,9 @@ class RayBackend(ServesModels):
             replica actor runs a vLLM server on its node, started as ``LocalBackend(inference="vllm")`` starts
             one; the vLLM venv, ``vllm.python`` or ``$ART_VLLM_VENV``, must exist on every replica node).
         vllm: how vLLM replicas start (``VLLMOptions``: venv, dtype, extra ``vllm serve`` arguments).
+        transformers: how transformers replicas build their engine (``TransformersOptions``, as for
+            ``LocalBackend``: ``packed_weights``, ``prefix_cache_mb``, ``max_batch_rows``). Its ``separate_module``
+            changes nothing here: a replica always decodes a model of its own, never the trainer's.
         cpus_per_replica, cpus_per_rank: CPUs Ray reserves for each. Default: 1.
         cpus_per_rollout_worker: Default: 0.25 (an agent mostly waits for the gateway).
         gpus_per_replica, gpus_per_rank: GPUs for each. Default: 1 when the cluster has GPUs, else 0.
@@ -153,7 +156,7 @@ class RayBackend(ServesModels):
                  resources: dict[str, dict[str, float]] | None = None, gateway_host: str = "127.0.0.1",
                  api_key: str | None = None, runtime_env: dict[str, Any] | None = None,
                  max_rollout_attempts: int = 3, sharding: str = "auto", vllm: VLLMOptions | None = None,
-                 pause_during_step: bool = True) -> None:
+                 transformers: TransformersOptions | None = None, pause_during_step: bool = True) -> None:
         for name, value in (("inference_replicas", inference_replicas), ("trainer_workers", trainer_workers),
                             ("rollout_workers", rollout_workers), ("rollouts_per_worker", rollouts_per_worker)):
             if value < 1:
@@ -162,6 +165,9 @@ class RayBackend(ServesModels):
             raise ConfigError(f"inference={inference!r} is not available on RayBackend: use 'transformers' or 'vllm'")
         if vllm is not None and inference != "vllm":
             raise ConfigError("vllm= options need inference='vllm'")
+        if transformers is not None and inference != "transformers":
+            raise ConfigError("transformers= options need inference='transformers'")
+        transformers_options = _transformers_options(transformers)
         vllm_options = _vllm_options(vllm) if inference == "vllm" else None
         if sharding not in ("none", "fsdp", "auto"):
             raise ConfigError(f"sharding={sharding!r} is not available: use 'none', 'fsdp' or 'auto'")
@@ -184,6 +190,7 @@ class RayBackend(ServesModels):
         self.max_rollout_attempts = max_rollout_attempts
         self.sharding = sharding
         self.vllm = vllm_options
+        self.transformers = transformers_options
         self.pause_during_step = pause_during_step
         self._models: ModelTable[_Slot] = ModelTable(self.path, "RayBackend")
         self._env_before: dict[str, str | None] | None = None
@@ -228,7 +235,8 @@ class RayBackend(ServesModels):
             resources=self.resources.get("replica") or None, scheduling_strategy="SPREAD",
         ).remote(base_dir=model.base_model, adapter=adapter, lora=model.lora.model_dump(), step=step,
                  engine=self.inference, num_threads=self.num_threads,
-                 vllm=self.vllm.model_dump(mode="json") if self.vllm else None)
+                 vllm=self.vllm.model_dump(mode="json") if self.vllm else None,
+                 transformers=self.transformers.engine_kwargs())
             for _ in range(self.inference_replicas)]
         await asyncio.gather(*(r.start.remote() for r in replicas))  # loaded (raises if one failed)
         tokenizer = await HELPERS.run(AutoTokenizer.from_pretrained, base_dir)
@@ -390,6 +398,16 @@ def _application_sigterm_kept() -> Iterator[None]:
     finally:
         if callable(before):  # a Python handler of the application's (not SIG_DFL, SIG_IGN, or one set in C)
             signal.signal(signal.SIGTERM, before)
+
+
+def _transformers_options(options: TransformersOptions | None) -> TransformersOptions:
+    """The transformers replicas' options (the defaults when None), refusing anything but ``TransformersOptions``."""
+    from .._engines import TransformersOptions
+
+    if options is not None and not isinstance(options, TransformersOptions):
+        raise ConfigError(f"transformers= takes a TransformersOptions, not {type(options).__name__}: "
+                          "e.g. TransformersOptions(packed_weights=True)")
+    return options or TransformersOptions()
 
 
 def _vllm_options(options: VLLMOptions | None) -> VLLMOptions:

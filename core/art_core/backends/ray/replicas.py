@@ -62,11 +62,12 @@ class EngineReplica:
         num_threads: torch threads for this replica (None: torch's default).
         scratch: a folder on the replica's node for adapters received and engine logs (default: a temporary folder).
         vllm: ``VLLMOptions`` as a dict (``engine="vllm"``): the vLLM venv on this node, dtype, extra arguments.
+        transformers: ``TransformersEngine`` keyword arguments (``TransformersOptions.engine_kwargs()``).
     """
 
     def __init__(self, *, base_dir: str, adapter: dict[str, bytes] | None, lora: dict[str, Any], step: int,
                  engine: str = "transformers", num_threads: int | None = None, scratch: str | None = None,
-                 vllm: dict[str, Any] | None = None) -> None:
+                 vllm: dict[str, Any] | None = None, transformers: dict[str, Any] | None = None) -> None:
         import torch
 
         if engine not in ("transformers", "vllm"):
@@ -77,6 +78,7 @@ class EngineReplica:
         self._scratch = Path(scratch or tempfile.mkdtemp(prefix="art-replica-"))
         self._scratch.mkdir(parents=True, exist_ok=True)
         self._kind, self._base_dir, self._lora, self._vllm = engine, base_dir, lora, vllm or {}
+        self._transformers = transformers or {}
         self._adapter_dir = self._write(adapter, step) if adapter else None
         self._step = step
         self.engine: Any = None
@@ -103,7 +105,7 @@ class EngineReplica:
         policy, tokenizer = load_policy(resolve_base_model(self._base_dir), LoraSettings.model_validate(self._lora),
                                         device=device, adapter_dir=self._adapter_dir)
         policy.eval()
-        self.engine = TransformersEngine(policy, tokenizer, adapter_step=self._step)
+        self.engine = TransformersEngine(policy, tokenizer, adapter_step=self._step, **self._transformers)
 
     async def _start_vllm(self) -> Any:
         import torch
