@@ -49,6 +49,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -66,11 +67,11 @@ ROOT = Path(__file__).resolve().parents[2]
 BOUNDS = (0, 1, 2)
 
 
-def _ray_cluster(root: Path) -> Any:
-    """Two nodes of one CPU each: the replica's ("replica_node") and the trainer's ("trainer_node")."""
+def _ray_cluster(temp: str) -> Any:
+    """Two nodes of one CPU each: the replica's ("replica_node") and the trainer's ("trainer_node"); Ray's files
+    under ``temp`` (a short path: Ray's socket paths must stay short)."""
     from ray.cluster_utils import Cluster
 
-    temp = tempfile.mkdtemp(prefix="art-pipe-", dir="/tmp")  # Ray's socket paths must stay short
     os.environ["RAY_TMPDIR"] = temp
     os.mkdir(os.path.join(temp, "ray"))
     cluster = Cluster(shutdown_at_exit=False)
@@ -185,9 +186,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="art-pipeline-bench-") as tmp:
         root = Path(tmp)
         for layout in args.layouts:
-            cluster = None
+            cluster, ray_temp = None, None
             if layout == "ray":
-                cluster = _ray_cluster(root)
+                ray_temp = tempfile.mkdtemp(prefix="art-pipe-", dir="/tmp")
+                cluster = _ray_cluster(ray_temp)
             if layout == "vllm":
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
             try:
@@ -204,6 +206,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     if ray.is_initialized():
                         ray.shutdown()
                     cluster.shutdown()
+                if ray_temp is not None:
+                    shutil.rmtree(ray_temp, ignore_errors=True)
     summary = summarise(rows, args.layouts)
     return {**summary, "load_before": load_before, "load_after": os.getloadavg(), "arms": rows,
             "settings": {k: v for k, v in vars(args).items()}}
