@@ -24,7 +24,7 @@ def test_importing_art_core_does_not_import_ray() -> None:
     ({"inference": "vllm", "vllm": VLLMOptions(python="/no/such/venv")}, "no vLLM python at /no/such/venv"),
     ({"sharding": "zero3"}, "use 'none', 'fsdp' or 'auto'"),
     ({"resources": {"gpu-nodes": {"a100": 1}}}, "unknown role"),
-    ({"inference": "vllm", "transformers": TransformersOptions()}, "transformers= options need inference='transformers'"),
+    ({"inference": "vllm", "transformers": TransformersOptions()}, "transformers= options need inference="),
     ({"transformers": {"packed_weights": True}}, "takes a TransformersOptions, not dict"),
 ])
 def test_bad_arguments_name_the_problem(kwargs: dict, message: str) -> None:

@@ -26,9 +26,9 @@ per arm: seconds per step, trajectories trained per minute, the share of wall ti
 once, mean staleness, groups dropped as stale, held-out success before and after, and the mean seconds a step
 spent publishing its checkpoint (``seconds_adapter_load``: the engine taking it, its requests in flight finishing
 first); on vLLM, whose CPU build takes each checkpoint merged into its weights, also how long each merge held new
-requests, split into waiting for those in flight and the reload itself (``VLLMEngine.merge_times``). Per layout, the speed-up of
-each bound is synchronous seconds per step over its own (mean over seeds), and the held-out gap is its mean
-success after training minus the synchronous arm's. The last line is a JSON object with ``async_speedup_<layout>``
+requests, split into waiting for those in flight and the reload itself (``VLLMEngine.merge_times``). Per layout,
+the speed-up of each bound is synchronous seconds per step over its own (mean over seeds), and the held-out gap is
+its mean success after training minus the synchronous arm's. The last line is a JSON object with ``async_speedup_<layout>``
 (``max_off_policy=1``), ``async_speedup_<layout>_m2``, ``heldout_gap_<layout>`` (points, ``max_off_policy=1``)
 and every arm's figures. The machine may be shared: the load average before and after goes into the JSON.
 ``--base-matmul-dtype bfloat16`` trains every arm with ``TrainConfig(base_matmul_dtype="bfloat16")`` (the engines
@@ -154,7 +154,8 @@ async def run_arm(layout: str, bound: int, seed: int, args: argparse.Namespace, 
     print(f"{layout:12s} m={bound} seed {seed}: {row['seconds_per_step']:.1f} s/step, "
           f"{row['trajectories_per_minute']:.1f} trajectories/min, both at once {row['overlap']:.0%}, "
           f"staleness {row['staleness_mean']:.2f}, {row['groups_stale']} stale, "
-          f"held-out {before:.1%} -> {after:.1%}, publishing a checkpoint {statistics.fmean(row['adapter_load_s']):.2f} s"
+          f"held-out {before:.1%} -> {after:.1%}, "
+          f"publishing a checkpoint {statistics.fmean(row['adapter_load_s']):.2f} s"
           + (" (vLLM held requests {held:.2f} s a merge: {draining:.2f} s for those in flight, {merging:.2f} s "
              "reloading)".format(**row["merge_pause_s"]) if "merge_pause_s" in row else ""), flush=True)
     return row
