@@ -37,7 +37,7 @@ from ..errors import ConfigError
 from .base import ModelSpec
 
 __all__ = ["INFERENCE", "EngineContext", "InferenceChoice", "Serving", "TransformersOptions", "VLLMOptions",
-           "adapter_mode", "inference_choice", "shares_module"]
+           "adapter_mode", "inference_choice", "shares_module", "transformers_options"]
 
 Layout = Literal["shared-module", "separate-module", "cpu", "shared-gpu", "dedicated-gpu"]
 
@@ -110,6 +110,21 @@ class TransformersOptions(CheckedSettings):
         """The ``TransformersEngine`` keyword arguments these options stand for."""
         return {"packed_weights": self.packed_weights, "prefix_cache_mb": self.prefix_cache_mb,
                 "max_batch_rows": self.max_batch_rows}  # separate_module picks the layout, not an engine argument
+
+
+def transformers_options(options: TransformersOptions | None, inference: str) -> TransformersOptions:
+    """A backend's ``transformers=`` argument, checked against its ``inference``; the defaults when None.
+
+    Raises:
+        ConfigError: options for another engine than the transformers one, or not a ``TransformersOptions``.
+    """
+    if options is not None and inference != "transformers":
+        raise ConfigError(f"transformers= options need inference='transformers' (they configure that engine), but "
+                          f"inference={inference!r}: drop transformers= or use inference='transformers'")
+    if options is not None and not isinstance(options, TransformersOptions):
+        raise ConfigError(f"transformers= takes a TransformersOptions, not {type(options).__name__}: "
+                          "e.g. TransformersOptions(packed_weights=True)")
+    return options or TransformersOptions()
 
 
 @dataclass

@@ -25,7 +25,8 @@ from .._threads import TRAINING
 from ..config import SFTConfig, TrainConfig
 from ..errors import ConfigError
 from ..types import TrajectoryGroup
-from ._engines import EngineContext, Serving, TransformersOptions, VLLMOptions, inference_choice, shares_module
+from ._engines import (EngineContext, Serving, TransformersOptions, VLLMOptions, inference_choice, shares_module,
+                       transformers_options)
 from ._progress import progress_bar
 from ._shared import ServesModels
 from ._tables import ModelTable
@@ -155,13 +156,7 @@ class LocalBackend(ServesModels):
         self._inference = inference_choice(inference)
         self._trainer = trainer_choice(trainer)
         self.vllm = vllm or VLLMOptions()
-        if transformers is not None and inference != "transformers":
-            raise ConfigError(f"transformers= configures the transformers engine, but inference={inference!r}: "
-                              "drop transformers= or use inference='transformers'")
-        if transformers is not None and not isinstance(transformers, TransformersOptions):
-            raise ConfigError(f"transformers= takes a TransformersOptions, not {type(transformers).__name__}: "
-                              "e.g. TransformersOptions(packed_weights=True)")
-        self.transformers = transformers or TransformersOptions()
+        self.transformers = transformers_options(transformers, inference)
         self._trainer.check(device)
         self._inference.check(self.vllm)
         self.pause_during_step = pause_during_step

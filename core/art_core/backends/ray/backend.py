@@ -39,6 +39,7 @@ from ..._threads import HELPERS
 from ...config import SFTConfig, TrainConfig
 from ...errors import ConfigError, LifecycleError
 from ...types import TrajectoryGroup
+from .._engines import transformers_options
 from .._shared import ServesModels
 from .._tables import ModelTable
 from .._steps import StepRunner, Trained
@@ -165,9 +166,7 @@ class RayBackend(ServesModels):
             raise ConfigError(f"inference={inference!r} is not available on RayBackend: use 'transformers' or 'vllm'")
         if vllm is not None and inference != "vllm":
             raise ConfigError("vllm= options need inference='vllm'")
-        if transformers is not None and inference != "transformers":
-            raise ConfigError("transformers= options need inference='transformers'")
-        transformers_options = _transformers_options(transformers)
+        checked_transformers = transformers_options(transformers, inference)
         vllm_options = _vllm_options(vllm) if inference == "vllm" else None
         if sharding not in ("none", "fsdp", "auto"):
             raise ConfigError(f"sharding={sharding!r} is not available: use 'none', 'fsdp' or 'auto'")
@@ -190,7 +189,7 @@ class RayBackend(ServesModels):
         self.max_rollout_attempts = max_rollout_attempts
         self.sharding = sharding
         self.vllm = vllm_options
-        self.transformers = transformers_options
+        self.transformers = checked_transformers
         self.pause_during_step = pause_during_step
         self._models: ModelTable[_Slot] = ModelTable(self.path, "RayBackend")
         self._env_before: dict[str, str | None] | None = None
@@ -398,16 +397,6 @@ def _application_sigterm_kept() -> Iterator[None]:
     finally:
         if callable(before):  # a Python handler of the application's (not SIG_DFL, SIG_IGN, or one set in C)
             signal.signal(signal.SIGTERM, before)
-
-
-def _transformers_options(options: TransformersOptions | None) -> TransformersOptions:
-    """The transformers replicas' options (the defaults when None), refusing anything but ``TransformersOptions``."""
-    from .._engines import TransformersOptions
-
-    if options is not None and not isinstance(options, TransformersOptions):
-        raise ConfigError(f"transformers= takes a TransformersOptions, not {type(options).__name__}: "
-                          "e.g. TransformersOptions(packed_weights=True)")
-    return options or TransformersOptions()
 
 
 def _vllm_options(options: VLLMOptions | None) -> VLLMOptions:
