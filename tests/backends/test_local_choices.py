@@ -152,6 +152,9 @@ def test_transformers_options_are_checked_at_construction(tmp_path):
         TransformersOptions(prefix_cache_mb=-1)
     with pytest.raises(ConfigError, match="extra"):
         TransformersOptions(packed=True)  # type: ignore[call-arg]
+    with pytest.raises(ConfigError, match="num_threads"):
+        TransformersOptions(num_threads=0)
+    assert TransformersOptions(num_threads=2).engine_kwargs()["num_threads"] == 2
     with pytest.raises(ConfigError, match="inference='vllm'.*inference='transformers'"):
         LocalBackend(path=tmp_path, inference="vllm", transformers=TransformersOptions(packed_weights=True))
     with pytest.raises(ConfigError, match="TransformersOptions, not dict"):

@@ -117,6 +117,60 @@ async def test_requests_are_served_during_a_step_each_on_one_adapter(tiny_model_
     assert after.logprobs != pytest.approx(moved, abs=1e-4)  # checkpoint 1 is another policy: the check can fail
 
 
+async def test_on_cpu_a_step_and_the_engine_split_the_threads(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """With neither thread count given, while a step trains the trainer has half of torch's threads (the odd one)
+    and the engine decodes with the rest; between steps the engine has them all. A request made while the step's
+    forward is held (by an event the test sets) shows both counts at once. Pausing for steps splits nothing."""
+    from art_core._ownership import torch_threads
+
+    model = TrainableModel(name="threads", base_model=tiny_model_dir)
+    in_step, release = threading.Event(), threading.Event()
+    trained_with: list[int] = []
+    decoded_with: list[int] = []
+
+    def in_training(module: Any, args: Any) -> None:
+        if not in_step.is_set():
+            trained_with.append(torch.get_num_threads())
+            in_step.set()
+            release.wait(120)
+
+    async def decode_threads() -> set[int]:
+        decoded_with.clear()
+        await model.sample(CHAT, max_tokens=2, temperature=0.0)
+        return set(decoded_with)
+
+    with torch_threads(3):  # the process's count, as the backend finds it when it loads the model
+        async with LocalBackend(path=tmp_path, show_progress=False, pause_during_step=False,
+                                transformers=TransformersOptions(separate_module=True)) as backend:
+            await model.register(backend)
+            slot = backend._models.get(model.spec)
+            hooks = [slot.trainer.model.get_base_model().model.layers[0].register_forward_pre_hook(in_training),
+                     slot.engine.model.register_forward_pre_hook(lambda m, a: decoded_with.append(
+                         torch.get_num_threads()))]
+            training = None
+            try:
+                between = await decode_threads()
+                training = asyncio.create_task(model.train([_group(0)], config=CONFIG))
+                assert await asyncio.to_thread(in_step.wait, 120), "the step never reached its forward"
+                during = await decode_threads()
+                release.set()
+                await training
+                after = await decode_threads()
+            finally:
+                release.set()
+                for hook in hooks:
+                    hook.remove()
+                if training is not None:
+                    await asyncio.wait([training], timeout=120)
+        assert between == {3} and trained_with == [2] and during == {1} and after == {3}
+
+        paused = TrainableModel(name="threads-paused", base_model=tiny_model_dir)
+        async with LocalBackend(path=tmp_path / "paused", show_progress=False,
+                                transformers=TransformersOptions(separate_module=True)) as backend:
+            await paused.register(backend)
+            assert backend._models.get(paused.spec).engine.num_threads is None  # phases never overlap: no split
+
+
 async def test_art_core_serve_during_steps_answers_clients_while_a_step_trains(tiny_model_dir: Path,
                                                                               tmp_path: Path,
                                                                               gates: list[Any]) -> None:

@@ -97,8 +97,9 @@ its loop (from /proc/stat). Sides run interleaved, round by round (ours_sync, ou
 each run in its own process, with the same torch threads (``--threads``, default 2, and ``OMP_NUM_THREADS``).
 Per side the loop time used is the median over its quiet runs (others < 0.1 core during the loop) if it had any,
 else its fastest run (other processes only ever add time); the JSON's ``timing_basis`` says which per side. In the
-pipelined side, decoding and training run at once on two threads of the library's, each with ``--threads`` torch
-threads (the backend's ``num_threads`` is left at its default: the library's behaviour as shipped).
+pipelined side, decoding and training run at once on two threads of the library's; the thread counts are left at
+their defaults (the library's behaviour as shipped: while a step trains, the backend gives the trainer half of the
+``--threads`` torch threads, the odd one, and the engine the rest; between steps the engine has them all).
 
 Memory: peak RSS of each side's whole process (``ru_maxrss``: loading and the whole loop).
 

@@ -83,6 +83,33 @@ async def test_a_training_step_on_the_shared_model_is_seen_by_the_next_decode(ti
             await engine.aclose()
 
 
+async def test_a_checkpoint_swap_re_packs_only_the_adapter(tiny_model_dir, tmp_path):
+    """``load_adapter`` of the next checkpoint keeps the base weights' packed copies (a swap copies into the
+    adapter's tensors, whose version counters say so) and decodes with the new adapter: rows sampled after the
+    swap score as a fresh load of that checkpoint scores them."""
+    from peft import PeftModel
+    from test_transformers_engine import _save_adapter
+    from transformers import AutoModelForCausalLM
+
+    for seed, folder in ((0, "a"), (1, "b")):
+        _save_adapter(tiny_model_dir, tmp_path / folder, seed=seed)
+    packed = await TransformersEngine.from_pretrained(tiny_model_dir, device="cpu", packed_weights=True,
+                                                      adapter_dir=tmp_path / "a", adapter_step=1)
+    try:
+        _sampled(packed)
+        packs = packed._packed.packs
+        await packed.load_adapter(tmp_path / "b", step=2)
+        outputs = _sampled(packed)
+        lora_matrices = sum(1 for name, _ in packed.model.named_parameters() if "lora_" in name)
+        assert packed._packed.packs == packs + lora_matrices  # the base's copies were kept
+        fresh = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "b").eval()
+        for prompt, out in zip(PROMPTS, outputs, strict=True):
+            torch.testing.assert_close(torch.tensor(out.logprobs), _rescored(fresh, prompt, out.token_ids),
+                                       atol=1e-5, rtol=0)
+    finally:
+        await packed.aclose()
+
+
 async def test_weights_changed_drops_copies_an_edit_through_data_did_not_announce(tiny_model_dir):
     packed = await TransformersEngine.from_pretrained(tiny_model_dir, device="cpu", packed_weights=True)
     plain = TransformersEngine(packed.model, packed.tokenizer, packed_weights=False)

@@ -146,6 +146,29 @@ async def test_load_adapter_swaps_without_reloading_the_base(engine, tiny_model_
     assert engine.adapter_step == 5  # still serving the last good one
 
 
+async def test_the_decode_runs_with_the_engines_thread_count_and_follows_a_change(engine):
+    """``num_threads`` is the torch thread count of the decode; changed while a loop runs (here by the decode
+    thread itself, at a known step), it applies from the next step on; the caller's count is untouched."""
+    seen: list[int] = []
+
+    def record(module, args) -> None:
+        seen.append(torch.get_num_threads())
+        if len(seen) == 2:  # the prefill, then the first decode step
+            engine.num_threads = 1
+
+    caller = torch.get_num_threads()
+    handle = engine.model.register_forward_pre_hook(record)
+    try:
+        engine.num_threads = 3
+        await engine.generate(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0))
+    finally:
+        handle.remove()
+    assert len(seen) > 2 and seen[:2] == [3, 3] and set(seen[2:]) == {1}
+    assert torch.get_num_threads() == caller
+    with pytest.raises(ValueError, match="num_threads=0"):
+        TransformersEngine(engine.model, engine.tokenizer, num_threads=0)
+
+
 # -- continuous batching: rows join a running batch and leave it as soon as they finish -------------------
 
 async def _wait_for_steps(engine, steps: int) -> None:

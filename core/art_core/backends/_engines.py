@@ -104,12 +104,18 @@ class TransformersOptions(CheckedSettings):
     layout), rather than the trainer's module itself. False: one copy in memory and no reload per step, but the
     engine must pause while a step trains. True: a second copy of the base in memory, and the engine keeps serving
     the last checkpoint during a step (``LocalBackend(pause_during_step=False)``, the asynchronous pipeline)."""
+    num_threads: int | None = Field(None, ge=1)
+    """Torch threads the engine decodes with (None: the process's setting). When neither this nor the backend's
+    ``num_threads`` is given, ``LocalBackend(pause_during_step=False)`` on CPU, where decoding and a training step
+    run at once, splits the process's threads between the engine and the trainer while a step trains (two teams
+    of OpenMP threads on the same cores otherwise contend) and gives the engine all of them between steps."""
 
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """The ``TransformersEngine`` keyword arguments these options stand for."""
+        """The ``TransformersEngine`` keyword arguments these options stand for (``separate_module`` picks the
+        layout: it is not one of them)."""
         return {"packed_weights": self.packed_weights, "prefix_cache_mb": self.prefix_cache_mb,
-                "max_batch_rows": self.max_batch_rows}  # separate_module picks the layout, not an engine argument
+                "max_batch_rows": self.max_batch_rows, "num_threads": self.num_threads}
 
 
 def transformers_options(options: TransformersOptions | None, inference: str) -> TransformersOptions:

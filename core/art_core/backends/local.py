@@ -62,14 +62,31 @@ class _LocalSteps:
     backend: LocalBackend
     trainer: GRPOTrainer
     serving: Serving
+    threads: int | None = None
+    """Torch threads a step trains with (None: the process's setting)."""
+    engine_threads: tuple[int, int] | None = None
+    """The engine's decode threads while a step trains and while none does (None: left as they are)."""
 
     async def train(self, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig, *, step: int,
                     progress: Progress | None, **options: Any) -> Trained:
         # A worker thread of the library's own: the loop keeps serving I/O while the step runs.
-        with _trainer_warnings_silenced():
-            metrics = await TRAINING.run(self.backend._with_threads,
+        with _trainer_warnings_silenced(), self._engine_share():
+            metrics = await TRAINING.run(_in_threads, self.threads,
                                          lambda: self._train_sync(groups, config, step, progress))
         return Trained(metrics, self.trainer.save if metrics.get("trained") else None)
+
+    @contextlib.contextmanager
+    def _engine_share(self) -> Iterator[None]:
+        """While the step trains, the engine decodes with its share of the threads; with them all otherwise."""
+        if self.engine_threads is None:
+            yield
+            return
+        during, otherwise = self.engine_threads
+        self.serving.engine.num_threads = during
+        try:
+            yield
+        finally:
+            self.serving.engine.num_threads = otherwise
 
     def _train_sync(self, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig, step: int,
                     report: Progress | None) -> dict[str, Any]:
@@ -126,7 +143,10 @@ class LocalBackend(ServesModels):
             rarely set it, and a small model may ramble until this limit. Default: 1024 (the gateway's).
         max_tokens_limit: the largest ``max_tokens`` a request may ask for (more gets 400). Default: 4096.
         num_threads: torch threads while this backend loads and trains (restored after each call); default:
-            leave torch's setting. On a small shared CPU, fewer threads than cores avoids collapse.
+            leave torch's setting. On a small shared CPU, fewer threads than cores avoids collapse. With
+            ``pause_during_step=False`` on CPU, where the engine decodes while a step trains, the default splits
+            torch's threads between the two while a step trains (the trainer half, the engine half; the engine
+            has them all between steps) unless either count is given (``TransformersOptions.num_threads``).
         show_progress: show a progress bar during training steps.
         serve: start an OpenAI-compatible gateway for each registered model (needs ``art-core[serve]``).
         gateway_mount: serve each gateway inside the caller's ASGI app rather than on a loopback port of its
@@ -263,7 +283,7 @@ class LocalBackend(ServesModels):
                 trainer.load_optimizer_state(latest.path)
             return trainer
 
-        trainer = await TRAINING.run(self._with_threads, load_trainer)
+        trainer = await TRAINING.run(_in_threads, self.num_threads, load_trainer)
         step = latest.step if latest else 0
         serving = await self._inference.start(EngineContext(
             spec=model, base_dir=base_dir, policy=trainer.model, tokenizer=trainer.tokenizer, step=step,
@@ -273,16 +293,36 @@ class LocalBackend(ServesModels):
         if not self.pause_during_step and serving.layout == "shared-module":  # devices resolved to one after all
             await serving.engine.aclose()
             raise _shared_module_refusal()
-        steps = StepRunner(name=model.name, model_dir=model_dir, step=step, work=_LocalSteps(self, trainer, serving),
+        work = _LocalSteps(self, trainer, serving, self.num_threads)
+        if self._splits_threads(serving, {device, self.inference_device or device}):
+            total = torch.get_num_threads()
+            work.threads, engine_share = _split_threads(total)
+            work.engine_threads = (engine_share, total)
+            serving.engine.num_threads = total
+        steps = StepRunner(name=model.name, model_dir=model_dir, step=step, work=work,
                            hold=EngineHold(serving.engine), engine_label=self.inference,
                            pause_during_step=self.pause_during_step)
         return _Slot(trainer, serving, steps)
 
     # -- helpers --------------------------------------------------------------------------------------
 
-    def _with_threads(self, fn: Callable[[], T]) -> T:
-        with torch_threads(self.num_threads):  # scoped: restored after, also when two models step at once
-            return fn()
+    def _splits_threads(self, serving: Serving, devices: set[str]) -> bool:
+        """Whether the trainer and the engine each get a share of the CPU threads: they run at once on CPU (the
+        engine keeps decoding while a step trains, in a module of its own) and no thread count was given."""
+        return (not self.pause_during_step and serving.layout == "separate-module" and devices == {"cpu"}
+                and self.num_threads is None and self.transformers.num_threads is None)
+
+
+def _in_threads(count: int | None, fn: Callable[[], T]) -> T:
+    with torch_threads(count):  # scoped: restored after, also when two models step at once
+        return fn()
+
+
+def _split_threads(total: int) -> tuple[int, int]:
+    """(trainer, engine) torch threads out of ``total`` while a step trains: halves, the trainer taking the odd
+    one (its products are the bigger ones), and at least one each."""
+    engine = max(1, total // 2)
+    return max(1, total - engine), engine
 
 
 def _shared_module_refusal() -> ConfigError:

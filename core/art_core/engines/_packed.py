@@ -24,8 +24,9 @@ was packed from. Every change made the usual ways bumps the counter or swaps the
 ``load_state_dict``, ``copy_`` or ``+=`` under ``no_grad``, assigning ``weight.data``. So LoRA training on the
 shared model re-packs only the adapter's matrices, and the base weights (0.4 s to pack for SmolLM2-135M) stay
 packed across training steps. An in-place edit through ``weight.data`` (``weight.data += delta``, as PEFT's
-``merge_adapter`` does) bypasses the counter: the engine drops every packed copy on ``load_adapter``, and
-code that edits served weights that way must call ``TransformersEngine.weights_changed()``.
+``merge_adapter`` does) bypasses the counter: code that edits served weights that way must call
+``TransformersEngine.weights_changed()``. ``load_adapter`` needs no such call: it copies into the adapter's tensors
+(a version bump) or adds modules of its own, so a checkpoint swap re-packs only the adapter's matrices.
 
 Results: oneDNN sums in a different order than MKL, so a log-prob moves by rounding. On the tiny test model
 that is ~1e-6; on SmolLM2-135M (8 seeded rows x 64 tokens) up to 3.5e-5, and 2 rows of 8 sampled a different

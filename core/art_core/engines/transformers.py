@@ -53,7 +53,7 @@ from typing import Any, Literal
 
 import torch
 
-from .._ownership import module_ownership
+from .._ownership import module_ownership, torch_threads
 from .._threads import HELPERS, OwnThreads
 from ..errors import ArtError, EngineError
 from ._adapter_swap import load_into_active_adapter
@@ -125,11 +125,20 @@ class TransformersEngine:
             (log-probs by ~1e-2); what is recorded is the sampling policy's own log-probs, which is what the
             trainer's truncated importance weights need. Default False: PyTorch's matrix products, no extra
             memory.
+        num_threads: torch threads for the decode loop (set on the engine's own thread while it decodes); None:
+            the process's setting. Where a training step runs in the same process at the same time (the
+            asynchronous pipeline's separate-module layout), splitting the cores between the two keeps their
+            OpenMP threads from contending for the same cores (``LocalBackend`` does so by default). The
+            attribute may be changed at any time: a running decode loop takes the new count at its next step.
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, max_batch_rows: int = 64, adapter_step: int = 0,
-                 prefix_cache_mb: int = 256, packed_weights: PackedWeights = False) -> None:
+                 prefix_cache_mb: int = 256, packed_weights: PackedWeights = False,
+                 num_threads: int | None = None) -> None:
+        if num_threads is not None and num_threads < 1:
+            raise ValueError(f"num_threads={num_threads}: give at least 1, or None for the process's setting")
         self.model = model
+        self.num_threads = num_threads
         self.tokenizer = tokenizer
         self.max_batch_rows = max_batch_rows
         self._adapter_step = adapter_step
@@ -255,7 +264,9 @@ class TransformersEngine:
 
         try:
             await self._decode_thread.run(swap)
-            self.weights_changed()
+            # Only the prompt states: the swap copies into the adapter's tensors (bumping their version counters)
+            # or adds new modules, so the packed copies of the base weights, untouched, stay valid.
+            self._prefix.clear()
         except Exception as exc:
             raise EngineError(f"could not load the adapter in {path} as step {step}: {exc}") from exc
         else:
@@ -301,6 +312,7 @@ class TransformersEngine:
                 "running_rows": self.running_rows,
                 # linear layers decoding through packed copies (packed_weights; 0: off, or nothing decoded yet)
                 "packed_layers": len(self._packed) if self._packed is not None else 0,
+                "num_threads": self.num_threads,  # the decode's torch threads (None: the process's)
                 "paused": bool(self._serving and not self._serving.is_set()), "closed": self._closed}
 
     async def aclose(self) -> None:
@@ -394,6 +406,7 @@ class TransformersEngine:
         touched: every request of the loop, and every queued one, is settled with the ownership's ``EngineError``.
         """
         with contextlib.ExitStack() as holding:
+            holding.enter_context(torch_threads(self.num_threads))
             try:
                 holding.enter_context(module_ownership(self.model).decoding())
             except EngineError as refused:
@@ -416,6 +429,7 @@ class TransformersEngine:
         model = self.model
         was_training = model.training
         model.eval()
+        threads = torch.get_num_threads()  # what _decode set for this loop; followed if the attribute changes
         batch = RunningBatch(model, self.pad_id, self._prefix)
         rows: list[_Row] = []
         waiting = list(first)
@@ -434,6 +448,9 @@ class TransformersEngine:
                         return
                     if self._closed:
                         raise EngineError("the engine was closed while this request ran")
+                    if self.num_threads is not None and self.num_threads != threads:
+                        threads = self.num_threads
+                        torch.set_num_threads(threads)  # this thread only; _decode's torch_threads restores it
                     assert batch.logits is not None
                     next_ids = self._sample(rows, batch.logits)
                     self.stats["steps"] += 1

@@ -28,6 +28,7 @@ import contextlib
 import functools
 import os
 import secrets
+import shutil
 import signal
 import threading
 from collections.abc import Iterator, Sequence
@@ -194,6 +195,7 @@ class RayBackend(ServesModels):
         self._models: ModelTable[_Slot] = ModelTable(self.path, "RayBackend")
         self._env_before: dict[str, str | None] | None = None
         self._started = False
+        self._short_temp: Path | None = None  # a folder for Ray's sockets made by this backend (see _ray_temp_dir)
 
     async def __aenter__(self) -> RayBackend:
         return self
@@ -266,6 +268,7 @@ class RayBackend(ServesModels):
             return
         slots = self._models.close()
         if not slots and not self._started:
+            self._remove_short_temp()
             return  # never reached Ray (it may not even be installed)
         import ray
 
@@ -277,6 +280,7 @@ class RayBackend(ServesModels):
                 ray.kill(actor)  # our own actors, by handle
         if self._started:
             ray.shutdown()  # disconnects; also stops the processes of a cluster this driver started
+        self._remove_short_temp()
         if self._env_before is not None:  # undo what starting the local cluster set (see _ray)
             for name, value in self._env_before.items():
                 if value is None:
@@ -284,6 +288,16 @@ class RayBackend(ServesModels):
                 else:
                     os.environ[name] = value
             _reread_ray_auth_settings()
+
+    def _remove_short_temp(self) -> None:
+        """Remove the short folder this backend made for Ray's sockets outside its path, and the link to it."""
+        if self._short_temp is None:
+            return
+        shutil.rmtree(self._short_temp, ignore_errors=True)
+        link = self.path / "ray"
+        if link.is_symlink():
+            link.unlink()
+        self._short_temp = None
 
     # -- beyond the contract: rollouts on workers -----------------------------------------------------
 
@@ -344,7 +358,7 @@ class RayBackend(ServesModels):
             if ray.is_initialized():
                 pass  # the caller connected (e.g. to a test cluster): use it, and leave it connected
             elif self.address is None:
-                temp = _ray_temp_dir(self.path / "ray")
+                temp, self._short_temp = _ray_temp_dir(self.path / "ray")
                 # Ray enables token auth for a new local cluster (setting RAY_AUTH_MODE in this process) and
                 # would save the token in ~/.ray; keep it under the run's folder, and restore both on close.
                 self._env_before = {name: os.environ.get(name) for name in _AUTH_ENV}
@@ -412,18 +426,19 @@ _SOCKET_PATH_ROOM = 107 - len("/session_2026-01-01_00-00-00_000000_4194304/socke
 """Characters left for Ray's temp folder: its sockets live below it, and a Unix socket path has 107 at most."""
 
 
-def _ray_temp_dir(wanted: Path) -> Path:
+def _ray_temp_dir(wanted: Path) -> tuple[Path, Path | None]:
     """The local cluster's temp folder: ``wanted`` (``<path>/ray``), or, when that is too long a path for
-    Ray's Unix sockets, a short folder under the system's temp folder that ``wanted`` links to."""
+    Ray's Unix sockets, a short folder under the system's temp folder that ``wanted`` links to. Also returns the
+    short folder when it was made now (the backend removes it, and the link, on close; Ray's logs go with it)."""
     import logging
     import tempfile
 
     wanted = wanted.absolute()
     if len(str(wanted.resolve())) <= _SOCKET_PATH_ROOM:
         wanted.mkdir(parents=True, exist_ok=True)
-        return wanted.resolve()
+        return wanted.resolve(), None
     if wanted.is_symlink() and wanted.resolve().is_dir():
-        return wanted.resolve()  # a short folder linked by an earlier run
+        return wanted.resolve(), None  # a short folder linked by a run that did not close: reused, left alone
     short = Path(tempfile.mkdtemp(prefix="art-ray-"))
     if len(str(short)) > _SOCKET_PATH_ROOM:
         raise ConfigError(f"Ray's sockets need a temp folder path of at most {_SOCKET_PATH_ROOM} characters; "
@@ -435,7 +450,7 @@ def _ray_temp_dir(wanted: Path) -> Path:
     wanted.symlink_to(short, target_is_directory=True)
     logging.getLogger(__name__).info("Ray's files are in %s (linked from %s: that path is too long for Ray's "
                                      "sockets)", short, wanted)
-    return short
+    return short, short
 
 
 def _write_files(folder: Path, files: dict[str, bytes]) -> None:
