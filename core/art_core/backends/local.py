@@ -66,6 +66,7 @@ class _LocalSteps:
     """Torch threads a step trains with (None: the process's setting)."""
     engine_threads: tuple[int, int] | None = None
     """The engine's decode threads while a step trains and while none does (None: left as they are)."""
+    _steps_training: int = 0
 
     async def train(self, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig, *, step: int,
                     progress: Progress | None, **options: Any) -> Trained:
@@ -82,11 +83,14 @@ class _LocalSteps:
             yield
             return
         during, otherwise = self.engine_threads
+        self._steps_training += 1  # counted: a step that ends must not hand back threads another one still uses
         self.serving.engine.num_threads = during
         try:
             yield
         finally:
-            self.serving.engine.num_threads = otherwise
+            self._steps_training -= 1
+            if not self._steps_training:
+                self.serving.engine.num_threads = otherwise
 
     def _train_sync(self, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig, step: int,
                     report: Progress | None) -> dict[str, Any]:
