@@ -435,7 +435,7 @@ def main() -> None:
     if args.side:
         result = run_side(args.side, Path(args.model), steps=args.steps, per_step=args.prompts_per_step,
                           group_size=args.group_size, max_tokens=args.max_tokens, lr=args.lr, threads=args.threads,
-                          seed=args.seed, bf16=args.bf16, packed_weights=args.packed_weights,
+                          seed=args.seed, bf16=args.bf16, packed_weights=args.packed_weights or False,
                           prepacked_base=args.prepacked_base_weights)
         Path(args.result_file).write_text(json.dumps(result))
         return
