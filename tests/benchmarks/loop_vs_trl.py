@@ -421,7 +421,7 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true",
                         help="train with bf16 matmuls on every side: ours TrainConfig(base_matmul_dtype='bfloat16'), "
                              "TRL GRPOConfig(bf16=True) (autocast); sampling stays fp32 on both")
-    parser.add_argument("--packed-weights", nargs="?", const="float32", choices=["float32", "bfloat16"],
+    parser.add_argument("--packed-weights", nargs="?", const="float32", default=False, choices=["float32", "bfloat16"],
                         help="our engine decodes through oneDNN with packed weights (TransformersOptions("
                              "packed_weights=...): float32 if no value is given, or bfloat16, whose sampling policy "
                              "differs from the float32 trainer's by bf16 rounding); TRL's generate is unchanged")
@@ -435,7 +435,7 @@ def main() -> None:
     if args.side:
         result = run_side(args.side, Path(args.model), steps=args.steps, per_step=args.prompts_per_step,
                           group_size=args.group_size, max_tokens=args.max_tokens, lr=args.lr, threads=args.threads,
-                          seed=args.seed, bf16=args.bf16, packed_weights=args.packed_weights or False,
+                          seed=args.seed, bf16=args.bf16, packed_weights=args.packed_weights,
                           prepacked_base=args.prepacked_base_weights)
         Path(args.result_file).write_text(json.dumps(result))
         return
