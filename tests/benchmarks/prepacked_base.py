@@ -6,8 +6,9 @@ The work is ``packed_groups.py``'s: ``--groups`` groups (default 4) of ``--group
 train the embedded SmolLM2-135M with the same fresh LoRA adapter (a trainer each, loaded from the same weights),
 ``TrainConfig(learning_rate=1e-3)`` and the default packed groups:
 
-- ``prepacked``: ``prepacked_base_weights=True``: the LoRA layers' base products, forward and input gradient,
-  through oneDNN on copies of the frozen weights reordered once into its blocked layout (``training/fused_lora.py``);
+- ``prepacked``: ``prepacked_base_weights=True``: the LoRA layers' base products and the LM head's, forward and input
+  gradient, through oneDNN on copies of the frozen weights reordered once into its blocked layout
+  (``training/fused_lora.py``);
 - ``plain``: PyTorch's matmuls on the weights themselves (MKL on CPU), the default.
 
 ``--base-matmul-dtype bfloat16`` runs both sides with bf16 base matmuls (then ``prepacked`` packs bf16 copies).

@@ -198,3 +198,37 @@ def test_prepacked_base_matmuls_run_through_onednn_and_train_as_the_plain_layers
     assert packed_grads.keys() == plain_grads.keys() and plain_grads
     for name in plain_grads:
         torch.testing.assert_close(packed_grads[name], plain_grads[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+@pytest.mark.skipif(not onednn_packing_available(), reason="this PyTorch has no oneDNN")
+@pytest.mark.parametrize("block_dtype", [None, torch.bfloat16])
+def test_a_prepacked_block_runs_the_lm_head_on_a_packed_copy_in_its_own_dtype(block_dtype):
+    """In a ``base_matmuls(packed=True)`` block the chunked LM head (``chunked_token_logprobs``) takes both its
+    products on a oneDNN-packed copy of the head, in the head's own dtype even in a bf16 block (the log-probs the
+    loss and the importance ratios read stay fp32's): log-probs, entropy and input gradient equal the plain
+    head's to float rounding; outside the block no copy is made."""
+    from art_core.training.forward import chunked_token_logprobs
+
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(9, 32), torch.randn(200, 32)
+    targets = torch.randint(0, 200, (9,))
+    copies: dict = {}
+
+    def run(block: dict | None) -> tuple[tuple[torch.Tensor, ...], list[str]]:
+        h = hidden.clone().requires_grad_(True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            if block is None:
+                logprobs, entropy = chunked_token_logprobs(h, weight, targets, chunk_size=4, with_entropy=True)
+            else:
+                with base_matmuls(copies=copies, **block):
+                    logprobs, entropy = chunked_token_logprobs(h, weight, targets, chunk_size=4, with_entropy=True)
+            logprobs.sum().backward()
+        return (logprobs.detach(), entropy, h.grad), [event.key for event in prof.key_averages()]
+
+    plain, plain_ops = run(None)
+    assert copies == {} and "mkldnn::_linear_pointwise" not in plain_ops
+    packed, packed_ops = run({"dtype": block_dtype, "packed": True})
+    assert [(entry[2].dtype, entry[2].packed) for entry in copies.values()] == [(torch.float32, True)]
+    assert "mkldnn::_linear_pointwise" in packed_ops
+    for got, want in zip(packed, plain, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -22,8 +22,10 @@ rate (SmolLM2-135M's shapes, one core: 210 against 100 GFLOP/s, casts included).
 (``TrainConfig.prepacked_base_weights``, CPU only) the copies are reordered once into oneDNN's blocked layout, one
 for the forward product and one (of the transpose) for the input gradient, and the products run through oneDNN:
 PyTorch's default (MKL) re-packs the weight on every call. SmolLM2-135M's shapes at one core, fp32, 96-288 rows:
-8-30% faster GEMMs; a demo-sized GRPO step 1.08x faster (``tests/benchmarks/prepacked_base.py``), for two copies
-of the base's linear weights in memory (fp32: 0.85 GB for SmolLM2-135M; bf16: half).
+8-30% faster GEMMs. The frozen LM head takes the same copies in such a block (``head_copy``, used by
+``forward.ChunkedTokenLogprobs``), always in its own dtype; a demo-sized GRPO step is then 1.76x faster
+(``tests/benchmarks/prepacked_base.py``), for two copies of the base's linear weights and of the head in memory
+(fp32: 1.0 GB for SmolLM2-135M).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch
 from .._cpu import cpu_has_native_bf16, onednn_packing_available
 from .._weight_copy import BaseWeight
 
-__all__ = ["BaseCopies", "BaseWeight", "LoraLinear", "base_matmuls", "cpu_has_native_bf16", "fused_lora"]
+__all__ = ["BaseCopies", "BaseWeight", "LoraLinear", "base_matmuls", "cpu_has_native_bf16", "fused_lora", "head_copy"]
 
 
 BaseCopies = dict[int, tuple["weakref.ref[torch.Tensor]", int, BaseWeight]]
@@ -91,10 +93,10 @@ def _rank_product(rows: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     """``rows @ factor.T`` (``[N, k] x [r, k] -> [N, r]``, r the LoRA rank), computed as ``(factor @ rows.T).T``.
 
     Why: MKL's GEMM is slow at producing a few columns of many rows; the transposed problem (a few rows of many
-    columns) gives the same products, to float rounding, 1.7-4x faster at LoRA's shapes (SmolLM2-135M, r=8, 256 rows, one core: the
-    forward's ``x @ A.T`` 69 -> 41 us, the backward's ``grad @ B`` 169 -> 41 us; likewise ``B``'s gradient, taken
-    as ``(down.T @ grad).T``: ``_factor_gradient``). The result is a transposed view, which ``addmm_`` and ``@``
-    take as it is. ``tests/benchmarks/lora_products.py`` times a step against the plain forms.
+    columns) gives the same products, to float rounding, 1.7-4x faster at LoRA's shapes (SmolLM2-135M, r=8, 256
+    rows, one core: the forward's ``x @ A.T`` 69 -> 41 us, the backward's ``grad @ B`` 169 -> 41 us; likewise
+    ``B``'s gradient, taken as ``(down.T @ grad).T``: ``_factor_gradient``). The result is a transposed view, which
+    ``addmm_`` and ``@`` take as it is. ``tests/benchmarks/lora_products.py`` times a step against the plain forms.
     """
     return (factor @ rows.t()).t()
 
@@ -133,14 +135,25 @@ def base_matmuls(dtype: torch.dtype | None, copies: BaseCopies, *, packed: bool 
         _BASE_MATMULS.reset(token)
 
 
-def _base_copy(weight: torch.Tensor) -> BaseWeight | None:
+def head_copy(weight: torch.Tensor) -> BaseWeight | None:
+    """The frozen LM head's packed copy for a ``base_matmuls(packed=True)`` block (its products, forward and input
+    gradient, through oneDNN), or None (no such block, or no oneDNN). Always in the head's own dtype, whatever the
+    block's: its logits are the log-probs the loss and the importance ratios read, which bf16 rounding would move.
+
+    Why: at SmolLM2's head (49k x 576) and a chunk of 171 rows, MKL runs ``h @ W.T`` in 107 ms and ``p @ W`` in 97 ms
+    on one core, oneDNN's packed copies in 55 and 43 ms (allocation included); the head is ~20% of a demo step.
+    """
+    return _base_copy(weight, own_dtype=True)
+
+
+def _base_copy(weight: torch.Tensor, *, own_dtype: bool = False) -> BaseWeight | None:
     """``weight``'s copy for the ``base_matmuls`` block, or None outside such a block (or where it asks nothing
-    of this weight: its own dtype, not packed)."""
+    of this weight: its own dtype, not packed). ``own_dtype``: packed in the weight's dtype, not the block's."""
     setting = _BASE_MATMULS.get()
     if setting is None:
         return None
     dtype, packed, copies = setting
-    dtype = dtype or weight.dtype
+    dtype = weight.dtype if own_dtype or dtype is None else dtype
     packed = packed and weight.device.type == "cpu" and onednn_packing_available()
     if dtype == weight.dtype and not packed:
         return None
