@@ -330,3 +330,65 @@ async def test_ray_replicas_serve_during_a_step_and_switch_one_at_a_time(cluster
         (after,) = await model.sample(CHAT, max_tokens=4, temperature=0.0)
         assert after.calls[0].adapter_step == 1
 
+
+
+async def test_a_ray_step_trains_while_the_checkpoint_before_it_is_written(cluster: Any, tiny_model_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    """Serving during steps, the trainer does not wait for the driver's disk: a Ray step's checkpoint files come
+    back as bytes (``Trained.detached``), so step 2 trains while checkpoint 1 is still being written; checkpoints
+    are then written, published and their history rows appended in step order. The write of checkpoint 1 is held
+    by a gate the test opens (it wraps the backend's real save, which then runs)."""
+    import os
+
+    from art_core.backends.ray import RayBackend
+
+    root = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": os.pathsep.join([str(root / "core"), str(root)]), "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    model = TrainableModel(name="ray-detached", base_model=tiny_model_dir)
+    async with RayBackend(address=cluster.address, path=tmp_path, num_threads=1, rollout_workers=1,
+                          pause_during_step=False, runtime_env={"env_vars": env}) as backend:
+        await model.register(backend)
+        runner = backend._models.get(model.spec).steps
+        work, train = runner.work, runner.work.train
+        events: list[str] = []
+        writing_1, release_1, trained_2 = threading.Event(), threading.Event(), asyncio.Event()
+
+        async def traced(groups: Any, config: Any, *, step: int, **options: Any) -> Any:
+            events.append(f"train {step}")
+            result = await train(groups, config, step=step, **options)
+            events.append(f"trained {step}")
+            assert result.detached and result.save is not None
+            save = result.save
+
+            def held_save(folder: Path) -> None:  # runs in a helper thread, as the real save does
+                if step == 1:
+                    writing_1.set()
+                    assert release_1.wait(300), "the test never released checkpoint 1's write"
+                save(folder)
+                events.append(f"written {step}")
+
+            result.save = held_save
+            if step == 2:
+                trained_2.set()
+            return result
+
+        work.train = traced  # type: ignore[method-assign]  # this runner's instance attribute
+        try:
+            first = asyncio.create_task(model.train([_group(0)], config=CONFIG))
+            assert await asyncio.to_thread(writing_1.wait, 300), "checkpoint 1 was never written"
+            second = asyncio.create_task(model.train([_group(1)], config=CONFIG))
+            await asyncio.wait_for(trained_2.wait(), 300)  # a bound for failure, not a timing
+            assert events == ["train 1", "trained 1", "train 2", "trained 2"]
+            assert await model.checkpoints() == []
+            assert not first.done() and not second.done() and model.step == 0
+        finally:
+            release_1.set()
+        assert (await first)["trained"] == 1.0
+        await second
+        del work.train
+        assert events[4:] == ["written 1", "written 2"] and model.step == 2
+        assert [row["step"] for row in await model.history()] == [1, 2]
+        assert await model.checkpoints() == [1, 2]
+        (after,) = await model.sample(CHAT, max_tokens=4, temperature=0.0)
+        assert after.calls[0].adapter_step == 2

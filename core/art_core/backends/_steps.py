@@ -26,8 +26,10 @@ With ``pause_during_step=False`` (``LocalBackend(pause_during_step=False)``, the
 being served by the previous checkpoint while the next one trains; publishing swaps the adapter between requests
 (the engine's ``load_adapter`` lets the requests in flight finish on the old one), and only a failed publish
 pauses the gateway. The trainer does not wait for the engine either: once a step's checkpoint is written, the
-next ``run`` may train while this one publishes (4-5). Publishing and history rows stay in step order, and each
-``run`` still returns once the engine serves its checkpoint.
+next ``run`` may train while this one publishes (4-5); nor for the disk, where the step's files are its own
+(``Trained.detached``: a Ray step's, already sent back as bytes): the next ``run`` trains while they are written.
+Checkpoints are written, published and history rows appended in step order, and each ``run`` still returns once
+the engine serves its checkpoint.
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ class Trained:
     was trained, no checkpoint is written."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Anything more the backend's own callers want back (a Ray step's shares and gradients)."""
+    detached: bool = False
+    """``save`` writes what this step ended with, whatever trains next (a Ray step's files, already bytes here):
+    serving during steps, the next step may then train while this one's checkpoint is written. False: ``save``
+    reads the trainer's live state (the in-process trainer), so it runs before the next step may train."""
 
 
 @dataclass
@@ -159,7 +165,11 @@ class StepRunner:
         """``run`` calls waiting for the step before them to end."""
         self.waiting_samples = 0
         """``serving`` callers waiting for a step to end."""
+        self._trained = step
+        """The last step trained: ``step``, or one ahead while a detached checkpoint is being written (the next
+        step is numbered after it, and trains on from it)."""
         self._lock = asyncio.Lock()  # one step trains at a time (with the pause policy: one step at all)
+        self._writing = asyncio.Lock()  # detached checkpoints are written in step order
         self._publishing = asyncio.Lock()  # checkpoints are published, and history rows written, in step order
         self._idle = asyncio.Event()  # set while no step runs (with the pause policy): ``serving`` waits for it
         self._idle.set()
@@ -184,12 +194,18 @@ class StepRunner:
             if self.pause_during_step:
                 self._idle.clear()
             groups = list(groups)
-            step, metrics, checkpoint, extra = await self._train(groups, config, progress, options)
-            async with self._publishing:
-                if not self.pause_during_step:  # the trainer is free: the next step may train while this publishes
+            step, metrics, checkpoint, trained = await self._train(groups, config, progress, options)
+            if checkpoint is None and trained.save is not None:  # detached: written once the trainer is free
+                async with self._writing:
                     self._lock.release()
                     holding_trainer = False
-                return await self._publish(step, groups, config, metrics, checkpoint, extra)
+                    checkpoint = await self._write_checkpoint(step, trained.save, config, metrics)
+            async with self._publishing:
+                if holding_trainer and not self.pause_during_step:  # the next step may train while this publishes
+                    self._lock.release()
+                    holding_trainer = False
+                return await self._publish(self.step if checkpoint is None else step, groups, config, metrics,
+                                           checkpoint, trained.extra)
         finally:
             self._idle.set()
             if holding_trainer:
@@ -214,13 +230,11 @@ class StepRunner:
             yield
 
     async def _train(self, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig, progress: Progress | None,
-                     options: dict[str, Any]) -> tuple[int, dict[str, Any], Path | None, dict[str, Any]]:
-        """Steps 1-3 of the module docstring. Returns the step to publish (this step's checkpoint, or the one
-        before when nothing was trained), its metrics, its checkpoint folder (None: nothing trained) and the
-        backend's extras."""
-        from ..training.checkpoints import write_checkpoint
-
-        next_step = self.step + 1
+                     options: dict[str, Any]) -> tuple[int, dict[str, Any], Path | None, Trained]:
+        """Steps 1-3 of the module docstring. Returns this step's number, its metrics, its checkpoint folder (None:
+        nothing trained, or a detached save left for ``run`` to write once the trainer is free) and what the
+        backend's ``train`` returned."""
+        next_step = self._trained + 1
         # 1. everything the step learns from is on disk before it starts
         await HELPERS.run(write_groups_jsonl, trajectories_path(self.model_dir, next_step), groups)
 
@@ -233,16 +247,26 @@ class StepRunner:
         try:
             trained = await self.work.train(groups, config, step=next_step, progress=progress, **options)
             metrics = dict(trained.metrics)
-            if trained.save is not None:
-                checkpoint = await HELPERS.run(write_checkpoint, self.model_dir, next_step, trained.save,
-                                               metadata=_checkpoint_metadata(config, metrics))
-                self.step = next_step
+            if trained.save is not None and trained.detached and not self.pause_during_step:
+                self._trained = next_step  # run() writes it; the next step trains on from this one meanwhile
+            elif trained.save is not None:
+                checkpoint = await self._write_checkpoint(next_step, trained.save, config, metrics)
         except BaseException:
             if self.error is None and self.hold.state == "paused":  # nothing changed: serve on as before
                 await self.hold.resume_after_training(self.step)
             raise
         _warn_dropped_groups(groups, config, next_step - 1, metrics)
-        return self.step, metrics, checkpoint, trained.extra
+        return next_step, metrics, checkpoint, trained
+
+    async def _write_checkpoint(self, step: int, save: Callable[[Path], None], config: TrainConfig | SFTConfig,
+                                metrics: dict[str, Any]) -> Path:
+        """``checkpoints/NNNN``, atomic (a folder renamed into place); ``self.step`` is then this step."""
+        from ..training.checkpoints import write_checkpoint
+
+        checkpoint = await HELPERS.run(write_checkpoint, self.model_dir, step, save,
+                                       metadata=_checkpoint_metadata(config, metrics))
+        self.step = self._trained = step
+        return checkpoint
 
     async def _publish(self, step: int, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig,
                        metrics: dict[str, Any], checkpoint: Path | None, extra: dict[str, Any]) -> StepOutcome:

@@ -99,7 +99,8 @@ class _RaySteps:
         files = result["checkpoint"]
         extra = {"shares": result["shares"], **({"gradients": result["gradients"]} if return_gradients else {})}
         trained = result["metrics"].get("trained")
-        return Trained(result["metrics"], (lambda folder: _write_files(folder, files)) if trained else None, extra)
+        return Trained(result["metrics"], (lambda folder: _write_files(folder, files)) if trained else None, extra,
+                       detached=True)  # the ranks' bytes: the next step may train while they are written
 
     async def publish(self, checkpoint: Path, step: int) -> None:
         from .replicas import adapter_files
