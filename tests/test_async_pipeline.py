@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from art_core import LocalBackend, TrainableModel, TrainConfig, TrajectoryError, TrajectoryGroup, pipeline
+from art_core._cpu import onednn_packing_available
 from art_core.backends import TransformersOptions
 
 sys.path.insert(0, str(Path(__file__).parent / "backends"))
@@ -288,3 +290,56 @@ async def test_the_readmes_asynchronous_training_example_runs(tiny_model_dir: Pa
     history = tmp_path / ".art" / "demo" / "models" / "adder-async" / "history.jsonl"
     rows = [json.loads(line) for line in history.read_text().splitlines()]
     assert len(rows) == 3 and all(row["staleness_max"] <= 1 for row in rows)
+
+
+@pytest.mark.skipif(not onednn_packing_available(), reason="this PyTorch has no oneDNN")
+async def test_prepare_training_makes_the_first_steps_weight_copies_ahead(model: TrainableModel) -> None:
+    """``prepare_training`` makes the trainer's pre-packed copies (each fused layer's base weight, and the LM head)
+    before any step, moving no parameter; the first step then trains on those very copies and makes none."""
+    from art_core.training.forward import plain_head
+
+    trainer = _runner(model).work.trainer
+    config = CONFIG.model_copy(update={"prepacked_base_weights": True})
+    before = [p.detach().clone() for p in trainer.params]
+    await model.prepare_training(config)
+    made = {key: entry[2] for key, entry in trainer._base_copies.items()}
+    head = plain_head(trainer.model)
+    assert head is not None and id(head.weight) in made and len(made) > 1
+    assert all(entry.packed for entry in made.values())
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.params, strict=True))
+    await model.train([await _play_sample(model) for _ in range(2)], config=config)
+    assert {key: entry[2] for key, entry in trainer._base_copies.items()} == made  # the same objects: none remade
+    assert not all(torch.equal(a, b) for a, b in zip(before, trainer.params, strict=True))
+
+
+async def test_the_pipeline_prepares_the_trainer_while_the_first_rollouts_run(model: TrainableModel) -> None:
+    """The trainer's preparation runs beside the first rollouts (held until one has started) and the first step
+    trains only once it is done."""
+    events: list[str] = []
+    work = _runner(model).work
+    prepare, train = work.prepare, work.train
+    rollout_started = asyncio.Event()
+
+    async def traced_prepare(config: TrainConfig) -> None:
+        await rollout_started.wait()
+        events.append("prepare")
+        await prepare(config)
+        events.append("prepared")
+
+    async def traced_train(groups: Any, config: Any, *, step: int, **options: Any) -> Any:
+        events.append(f"train {step}")
+        return await train(groups, config, step=step, **options)
+
+    async def play(task: int) -> TrajectoryGroup:
+        if not rollout_started.is_set():
+            events.append("rollout")
+            rollout_started.set()
+        return await _play_sample(model)
+
+    work.prepare, work.train = traced_prepare, traced_train
+    try:
+        await pipeline(model, itertools.count(), play, steps=1, groups_per_step=2, max_off_policy=0, concurrency=2,
+                       config=CONFIG, log=None)
+    finally:
+        del work.prepare, work.train
+    assert events == ["rollout", "prepare", "prepared", "train 1"]

@@ -363,6 +363,17 @@ class TrainableModel:
         """``<root>/<project>/models/<name>``: checkpoints, trajectories and history."""
         return self.backend.model_dir(self.spec)
 
+    async def prepare_training(self, config: TrainConfig | SFTConfig | None = None) -> None:
+        """Have the trainer make now what a first step under ``config`` would make at its start: the copies of the
+        frozen base weights that ``base_matmul_dtype`` and ``prepacked_base_weights`` ask for (SmolLM2-135M
+        pre-packed in fp32: ~0.8 s of one core). ``pipeline`` calls it while the first rollouts run, when the trainer
+        would idle anyway; call it the same way in a loop of your own, and await it before the first ``train``.
+        Where the backend prepares nothing (``RemoteBackend``: the server's trainer makes them at its first step),
+        it returns at once."""
+        prepare = getattr(self.backend, "prepare_training", None)
+        if prepare is not None:
+            await prepare(self.spec, config or TrainConfig())
+
     async def checkpoints(self) -> list[int]:
         """The steps of the complete checkpoints on the backend's disk, oldest first."""
         return await self.backend.checkpoints(self.spec)

@@ -21,6 +21,10 @@ and the pipeline still keeps ``concurrency`` rollouts queued for the moment it r
 trainer does not wait for the engine either: with ``max_off_policy >= 1`` the next step is handed to the backend
 as soon as its groups are ready, and it trains while the engine loads the checkpoint before it.
 
+While the first rollouts run, the trainer makes what its first step would make at its start
+(``TrainableModel.prepare_training``: the base weights' copies ``TrainConfig.prepacked_base_weights`` and
+``base_matmul_dtype`` ask for), so that step runs as fast as the later ones.
+
 **Nothing is lost.** Each step writes its groups to disk before training (as ``model.train`` always does). A rollout
 that raises (or returns an empty group) is counted and the pipeline goes on. A step that raises stops the
 pipeline with that error, after cancelling the rollouts in flight; its trajectories stay on disk. Cancelling the
@@ -214,12 +218,15 @@ class _Pipeline(Generic[T]):
         self.failed_since_step = 0
         self.finished = 0  # groups that came back ready, in order
         self.exhausted = False
+        self.prepared: asyncio.Task[None] | None = None  # the trainer's preparation (run), awaited by each step
 
     async def run(self) -> PipelineReport:
         # Steps in flight, oldest first. Off-policy, a second one may start while the first runs: the backend
         # trains it once the first's checkpoint is written, while the engine loads that checkpoint (_steps.py).
         steps: list[asyncio.Task[Any]] = []
         in_flight = 2 if self.bound > 0 else 1
+        # The trainer would idle through the first rollouts: it makes what its first step needs meanwhile.
+        self.prepared = asyncio.create_task(self.model.prepare_training(self.config))
         try:
             while self.done_steps < self.steps:
                 self._start_rollouts()
@@ -235,6 +242,7 @@ class _Pipeline(Generic[T]):
                 while steps and steps[0].done():
                     steps.pop(0).result()  # a failed step stops the pipeline with its error
         except BaseException:
+            self.prepared.cancel()  # a no-op once done (the thread making the copies runs to its end)
             for task in self.rollouts:
                 task.cancel()
             await asyncio.gather(*self.rollouts, return_exceptions=True)
@@ -284,6 +292,8 @@ class _Pipeline(Generic[T]):
 
     async def _step(self, groups: list[TrajectoryGroup]) -> None:
         with self.clock.stepping():
+            if self.prepared is not None:  # done long before, unless the first rollouts were quicker
+                await self.prepared  # its error, if any, stops the pipeline here
             metrics = await self.model.train(groups, config=self.config)
         self.admitted -= int(metrics.get("groups_stale", 0))  # dropped: their places go to new rollouts
         self.done_steps += 1

@@ -374,6 +374,7 @@ async def test_a_ray_step_trains_while_the_checkpoint_before_it_is_written(clust
             return result
 
         work.train = traced  # type: ignore[method-assign]  # this runner's instance attribute
+        await model.prepare_training(CONFIG)  # the ranks' GRPOTrainer.prepare, as pipeline calls it (no copies here)
         try:
             first = asyncio.create_task(model.train([_group(0)], config=CONFIG))
             assert await asyncio.to_thread(writing_1.wait, 300), "checkpoint 1 was never written"

@@ -110,6 +110,11 @@ class ServesModels:
         check_config(config)  # a bad loss option fails here, before the gateway pauses or anything is written
         return (await slot.steps.run(groups, config, progress)).result  # type: ignore[no-any-return]
 
+    async def prepare_training(self, model: ModelSpec, config: TrainConfig | SFTConfig) -> None:
+        """``TrainableModel.prepare_training``: the trainer makes what a first step under ``config`` would make at
+        its start (``StepWork.prepare``); serving goes on."""
+        await self._models.get(model).steps.work.prepare(config)
+
     async def sample(self, model: ModelSpec, messages: Sequence[dict[str, Any]], *, n: int, max_tokens: int,
                      temperature: float, tools: list[dict[str, Any]] | None, seed: int | None) -> list[Trajectory]:
         slot = self._models.get(model)

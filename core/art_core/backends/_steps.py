@@ -93,6 +93,11 @@ class StepWork(Protocol):
         the checkpoint."""
         ...
 
+    async def prepare(self, config: TrainConfig | SFTConfig) -> None:
+        """Make, where the trainer lives, what a first step under ``config`` would make at its start
+        (``GRPOTrainer.prepare``: the base weights' copies)."""
+        ...
+
     async def publish(self, checkpoint: Path, step: int) -> None:
         """Make the engine(s) serve ``checkpoint`` as ``step`` (requests are held; the runner releases them).
 

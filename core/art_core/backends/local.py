@@ -76,6 +76,11 @@ class _LocalSteps:
                                          lambda: self._train_sync(groups, config, step, progress))
         return Trained(metrics, self.trainer.save if metrics.get("trained") else None)
 
+    async def prepare(self, config: TrainConfig | SFTConfig) -> None:
+        """``GRPOTrainer.prepare`` in a training thread, the engine's threads shared as during a step."""
+        with self._engine_share():
+            await TRAINING.run(_in_threads, self.threads, lambda: self.trainer.prepare(config))
+
     @contextlib.contextmanager
     def _engine_share(self) -> Iterator[None]:
         """While the step trains, the engine decodes with its share of the threads; with them all otherwise."""

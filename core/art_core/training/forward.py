@@ -220,7 +220,7 @@ def micro_batch_logprobs(
     ids = batch.input_ids.to(device)  # [B, T]
     attention = batch.attention_mask.to(device)  # [B, T]
     b, t = ids.shape
-    head = _plain_head(model) if chunk_size is not None else None
+    head = plain_head(model) if chunk_size is not None else None
     kwargs: dict[str, object] = {"attention_mask": attention, "use_cache": False}
     prompt_rows = batch.prefix_rows.to(device) if batch.prefix_rows is not None else None  # [B] or None
     shared_length = 0  # the prefix every row shares (lean_forward keeps one copy of it)
@@ -361,7 +361,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         return grad_hidden, None, None, None, None
 
 
-def _plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+def plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     """The LM head when logits are exactly ``head(last_hidden_state)`` and the head is frozen, else None."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     config = getattr(model, "config", None)

@@ -41,7 +41,8 @@ import torch
 from .._cpu import cpu_has_native_bf16, onednn_packing_available
 from .._weight_copy import BaseWeight
 
-__all__ = ["BaseCopies", "BaseWeight", "LoraLinear", "base_matmuls", "cpu_has_native_bf16", "fused_lora", "head_copy"]
+__all__ = ["BaseCopies", "BaseWeight", "LoraLinear", "base_matmuls", "cpu_has_native_bf16", "fused_lora", "head_copy",
+           "make_base_copies"]
 
 
 BaseCopies = dict[int, tuple["weakref.ref[torch.Tensor]", int, BaseWeight]]
@@ -167,6 +168,19 @@ def _base_copy(weight: torch.Tensor, *, own_dtype: bool = False) -> BaseWeight |
                  BaseWeight(weight, dtype, packed))
         copies[key] = entry
     return entry[2]
+
+
+def make_base_copies(model: torch.nn.Module) -> None:
+    """Make, inside a ``base_matmuls`` block, the copies its fused layers would make at their first product: of
+    every eligible LoRA layer's base weight (``TrainConfig`` asks for them; ``GRPOTrainer.prepare`` calls this so
+    that the first step does not pay for them). Outside a block, or where the block asks nothing, nothing."""
+    try:
+        from peft.tuners.lora import Linear
+    except ImportError:
+        return
+    for module in model.modules():
+        if type(module) is Linear and _eligible(module):
+            _base_copy(module.base_layer.weight)
 
 
 @contextmanager

@@ -102,6 +102,9 @@ class _RaySteps:
         return Trained(result["metrics"], (lambda folder: _write_files(folder, files)) if trained else None, extra,
                        detached=True)  # the ranks' bytes: the next step may train while they are written
 
+    async def prepare(self, config: TrainConfig | SFTConfig) -> None:
+        await self.trainer.prepare(config)
+
     async def publish(self, checkpoint: Path, step: int) -> None:
         from .replicas import adapter_files
 

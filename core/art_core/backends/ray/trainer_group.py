@@ -135,6 +135,10 @@ class TrainerRank:
             out["checkpoint"] = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
         return out
 
+    def prepare(self, config: dict[str, Any]) -> None:
+        """``GRPOTrainer.prepare`` for ``config`` (a ``TrainConfig`` or ``SFTConfig``'s JSON)."""
+        self.trainer.prepare(step_config(config))
+
     def adapter(self) -> dict[str, bytes]:
         """This rank's adapter files (``adapter_config.json``, weights) as bytes."""
         folder = self._scratch / "adapter"
@@ -226,6 +230,10 @@ class TrainerGroup:
         group = cls(ranks, pg)
         group.sharded = bool(sharded[0])
         return group
+
+    async def prepare(self, config: TrainConfig | SFTConfig) -> None:
+        """Every rank makes what a first step under ``config`` would make at its start (``GRPOTrainer.prepare``)."""
+        await asyncio.gather(*(rank.prepare.remote(config.model_dump(mode="json")) for rank in self.ranks))
 
     async def adapter(self) -> dict[str, bytes]:
         """Rank 0's adapter files (every rank holds the same)."""
