@@ -226,7 +226,7 @@ class _Pipeline(Generic[T]):
         steps: list[asyncio.Task[Any]] = []
         in_flight = 2 if self.bound > 0 else 1
         # The trainer would idle through the first rollouts: it makes what its first step needs meanwhile.
-        self.prepared = asyncio.create_task(self.model.prepare_training(self.config))
+        self.prepared = prepared = asyncio.create_task(self.model.prepare_training(self.config))
         try:
             while self.done_steps < self.steps:
                 self._start_rollouts()
@@ -242,7 +242,7 @@ class _Pipeline(Generic[T]):
                 while steps and steps[0].done():
                     steps.pop(0).result()  # a failed step stops the pipeline with its error
         except BaseException:
-            self.prepared.cancel()  # a no-op once done (the thread making the copies runs to its end)
+            prepared.cancel()  # a no-op once done (the thread making the copies runs to its end)
             for task in self.rollouts:
                 task.cancel()
             await asyncio.gather(*self.rollouts, return_exceptions=True)
