@@ -190,6 +190,9 @@ class _FakeModel:
         self.step += 1
         return {"groups_used": len(groups), "staleness_max": 0.0, "groups_stale": 0.0}
 
+    async def prepare_training(self, config=None) -> None:
+        pass  # nothing to prepare: there is no trainer
+
     async def finish_tracking(self) -> None:
         pass
 
