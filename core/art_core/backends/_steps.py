@@ -200,7 +200,7 @@ class StepRunner:
                 self._idle.clear()
             groups = list(groups)
             step, metrics, checkpoint, trained = await self._train(groups, config, progress, options)
-            if checkpoint is None and trained.save is not None:  # detached: written once the trainer is free
+            if trained.save is not None and self._written_after_release(trained):
                 async with self._writing:
                     self._lock.release()
                     holding_trainer = False
@@ -252,7 +252,7 @@ class StepRunner:
         try:
             trained = await self.work.train(groups, config, step=next_step, progress=progress, **options)
             metrics = dict(trained.metrics)
-            if trained.save is not None and trained.detached and not self.pause_during_step:
+            if trained.save is not None and self._written_after_release(trained):
                 self._trained = next_step  # run() writes it; the next step trains on from this one meanwhile
             elif trained.save is not None:
                 checkpoint = await self._write_checkpoint(next_step, trained.save, config, metrics)
@@ -262,6 +262,11 @@ class StepRunner:
             raise
         _warn_dropped_groups(groups, config, next_step - 1, metrics)
         return next_step, metrics, checkpoint, trained
+
+    def _written_after_release(self, trained: Trained) -> bool:
+        """Whether the step's checkpoint is written once the trainer is free (``run``) rather than before: its files
+        are its own (``Trained.detached``) and the next step may train while this one publishes."""
+        return trained.detached and not self.pause_during_step
 
     async def _write_checkpoint(self, step: int, save: Callable[[Path], None], config: TrainConfig | SFTConfig,
                                 metrics: dict[str, Any]) -> Path:

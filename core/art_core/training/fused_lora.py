@@ -174,24 +174,14 @@ def make_base_copies(model: torch.nn.Module) -> None:
     """Make, inside a ``base_matmuls`` block, the copies its fused layers would make at their first product: of
     every eligible LoRA layer's base weight (``TrainConfig`` asks for them; ``GRPOTrainer.prepare`` calls this so
     that the first step does not pay for them). Outside a block, or where the block asks nothing, nothing."""
-    try:
-        from peft.tuners.lora import Linear
-    except ImportError:
-        return
-    for module in model.modules():
-        if type(module) is Linear and _eligible(module):
-            _base_copy(module.base_layer.weight)
+    for module in _fusable_layers(model):
+        _base_copy(module.base_layer.weight)
 
 
 @contextmanager
 def fused_lora(model: torch.nn.Module) -> Iterator[None]:
     """Within the block, the model's eligible PEFT LoRA linear layers run through ``LoraLinear``."""
-    try:
-        from peft.tuners.lora import Linear
-    except ImportError:  # without PEFT there is no LoRA layer to fuse
-        yield
-        return
-    patched = [module for module in model.modules() if type(module) is Linear and _eligible(module)]
+    patched = _fusable_layers(model)
     for module in patched:
         module.forward = _fused_forward.__get__(module)
     try:
@@ -199,6 +189,15 @@ def fused_lora(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for module in patched:
             del module.forward
+
+
+def _fusable_layers(model: torch.nn.Module) -> list[Any]:
+    """The model's PEFT LoRA linear layers that ``LoraLinear`` can compute (``_eligible``)."""
+    try:
+        from peft.tuners.lora import Linear
+    except ImportError:  # without PEFT there is no LoRA layer to fuse
+        return []
+    return [module for module in model.modules() if type(module) is Linear and _eligible(module)]
 
 
 def _eligible(module: Any) -> bool:
