@@ -273,6 +273,24 @@ def test_stalest_groups_are_trained_first() -> None:
     assert [r.order for r in ready] == [3, 1]  # left: the later of the two step-3 groups, then the unknown one
 
 
+async def test_a_steps_groups_come_in_the_order_their_rollouts_started(model: TrainableModel) -> None:
+    """Finishing order is a race; the step's order must not be (a seeded synchronous run repeats)."""
+    second_done = asyncio.Event()
+    seen: list[list[Any]] = []
+
+    async def play(task: int) -> TrajectoryGroup:
+        if task == 0:
+            await second_done.wait()  # the first rollout to start finishes last
+        group = await _play_sample(model)
+        if task == 1:
+            second_done.set()
+        return TrajectoryGroup(group.trajectories, metadata={"task": task})
+
+    await pipeline(model, iter(range(2)), play, steps=1, groups_per_step=2, max_off_policy=0, concurrency=2,
+                   config=CONFIG, log=None, on_step=lambda _, groups: seen.append([g.metadata["task"] for g in groups]))
+    assert seen == [[0, 1]]
+
+
 async def test_the_readmes_asynchronous_training_example_runs(tiny_model_dir: Path, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
     import json

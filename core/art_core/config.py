@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, TypeAlias
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, model_validator
 
 from .errors import ConfigError
 
@@ -103,11 +103,28 @@ class TrainConfig(_Config):
     the linear weights' copies are bf16, half theirs, while the head's stay in its own dtype: its logits are the
     log-probs). Results move by float rounding (another summation order). False: PyTorch's matmuls on the weights
     themselves."""
+    off_policy_correction: Literal["ratio", "weight"] = "ratio"
+    """How a stale sample (drawn by an adapter older than the one training) is corrected; both take the sampler's
+    recorded log-probs as the behaviour policy's. ``"ratio"``: the loss's ratio is ``pi / pi_sampler``, so its
+    clipping keeps the update within the trust region around the policy that sampled it (PPO's reading; a
+    stale token the adapter has already moved past the clip range gets no gradient). ``"weight"``: the decoupled
+    objective (AReaL, Fu et al. 2025): the ratio is taken against the current policy (1 in value: a step is one
+    optimizer step), as for fresh samples, and the staleness is corrected by the truncated importance weight
+    ``min(pi / pi_sampler, tis_cap)`` in front of each token's loss; every stale token keeps a gradient. Needs
+    ``tis_cap``."""
     max_off_policy: int | None = Field(None, ge=0)
     """Most steps the adapter may have moved since a group was sampled (its staleness, ``training/staleness.py``:
     0 for the synchronous loop, where each step trains on groups the checkpoint before it sampled). Staler groups
     are dropped before any token is read, counted in ``groups_stale`` and warned about. None: no bound (stale
     samples are still corrected exactly, their ratio taken against the sampler's recorded log-probs)."""
+
+
+    @model_validator(mode="after")
+    def _weight_correction_has_a_cap(self) -> TrainConfig:
+        if self.off_policy_correction == "weight" and self.tis_cap is None:
+            raise ValueError('off_policy_correction="weight" corrects stale samples by the truncated importance '
+                             'weight, which tis_cap=None turns off: give tis_cap (default 2.0) or use "ratio"')
+        return self
 
 
 class SFTConfig(_Config):

@@ -5,7 +5,8 @@
 ``play(task)`` runs one group of rollouts of a task and returns its ``TrajectoryGroup`` (an adapter's
 ``agent.group(task, n=8, reward=...)``, or a function around ``model.sample``). Up to ``concurrency`` of them run
 at once, continuously; a step starts as soon as ``groups_per_step`` groups are ready, on the stalest of them first
-(the oldest adapter step in their records), while rollouts go on.
+(the oldest adapter step in their records; equally stale ones in the order their rollouts started, so that a seeded
+synchronous run trains the same batches every time), while rollouts go on.
 
 **The bound.** A group's staleness is the number of steps the adapter moved between sampling it and training on
 it (``art_core.training.staleness``). ``max_off_policy=m`` admits a new rollout only while the groups started so
@@ -155,7 +156,12 @@ class _Ready(Generic[T]):
 
 
 def stalest_first(ready: list[_Ready[Any]], count: int) -> list[TrajectoryGroup]:
-    """Take the ``count`` stalest groups out of ``ready`` (ties: the one that finished first)."""
+    """Take the ``count`` stalest groups out of ``ready`` (ties: the one whose rollout started first).
+
+    Ties go by start, not by finish: the order in which rollouts finish is a race, and a step's groups in another
+    order train to other float roundings (another summation order), which a run at a high learning rate can
+    amplify into another outcome. By start, the synchronous loop (``max_off_policy=0``) trains each step on the
+    same groups in the same order on every run, so a seeded run repeats."""
     ready.sort(key=lambda r: r.key)
     taken, ready[:] = ready[:count], ready[count:]
     return [r.group for r in taken]
@@ -216,7 +222,7 @@ class _Pipeline(Generic[T]):
         self.admitted = 0  # rollouts started that still count toward a step (failed and stale ones do not)
         self.done_steps = 0
         self.failed_since_step = 0
-        self.finished = 0  # groups that came back ready, in order
+        self.started = 0  # rollouts started, in order: a ready group's place among equally stale ones
         self.exhausted = False
         self.prepared: asyncio.Task[None] | None = None  # the trainer's preparation (run), awaited by each step
 
@@ -266,7 +272,8 @@ class _Pipeline(Generic[T]):
                 self.exhausted = True
                 return
             self.admitted += 1
-            rollout = asyncio.create_task(self._rollout(task))
+            rollout = asyncio.create_task(self._rollout(task, self.started))
+            self.started += 1
             self.rollouts.add(rollout)
             rollout.add_done_callback(self._rollout_done)
 
@@ -274,7 +281,7 @@ class _Pipeline(Generic[T]):
         self.rollouts.discard(task)
         self.changed.set()
 
-    async def _rollout(self, task: T) -> None:
+    async def _rollout(self, task: T, order: int) -> None:
         with self.clock.rolling_out():
             try:
                 group = await self.play(task)
@@ -287,8 +294,7 @@ class _Pipeline(Generic[T]):
                 if len(self.report.failures) < 20:
                     self.report.failures.append(exc)
                 return
-        self.ready.append(_Ready(group, self.finished))
-        self.finished += 1
+        self.ready.append(_Ready(group, order))
 
     async def _step(self, groups: list[TrajectoryGroup]) -> None:
         with self.clock.stepping():

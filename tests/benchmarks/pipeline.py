@@ -4,7 +4,8 @@ The work is the demo's (``art-core demo``): the embedded SmolLM2-135M learns to 
 each step trains on 4 questions x 8 answers of at most 12 tokens, sampled at temperature 1, with the demo's reward
 (1 for the sum, partial credit for a near miss) and ``TrainConfig(learning_rate=1e-3)``; held-out success is the
 demo's too (40 other questions x 4 answers at temperature 0.7, seeded). Every arm runs the same questions in the
-same order with the same sampling seeds, through ``pipeline(..., groups_per_step=4, concurrency=4)``:
+same order with the same sampling seeds, from the same fresh adapter (``LoraSettings(seed=seed)``), through
+``pipeline(..., groups_per_step=4, concurrency=4)``:
 
 - ``max_off_policy=0``: the synchronous loop (roll out a step's groups, train, repeat) on the backend's default
   policy (requests wait at the gateway while a step trains);
@@ -35,7 +36,9 @@ and every arm's figures. The machine may be shared: the load average before and 
 still sample in fp32); ``--prepacked-base-weights`` with ``TrainConfig(prepacked_base_weights=True)`` (fp32 by
 default: the base products through oneDNN on pre-packed copies). ``--packed-weights [float32|bfloat16]`` has the
 transformers engine decode through oneDNN on packed weights (``TransformersOptions(packed_weights=...)``: the Ray
-replica's and the in-process engine's) in every arm of those layouts.
+replica's and the in-process engine's) in every arm of those layouts. ``--loss`` and ``--off-policy-correction``
+set ``TrainConfig.loss`` and ``TrainConfig.off_policy_correction`` for every arm (the latter changes only how
+stale samples are trained, so the synchronous arm is the same either way).
 
     python tests/benchmarks/pipeline.py [--layouts ray transformers vllm] [--seeds 0 1 2] [--steps 10]
 
@@ -53,13 +56,16 @@ import shutil
 import statistics
 import tempfile
 import time
+import typing
 import uuid
 import warnings
 from pathlib import Path
 from typing import Any
 
-from art_core import LocalBackend, TrainableModel, TrainConfig, TrajectoryGroup, TransformersOptions, pipeline
+from art_core import (LocalBackend, LoraSettings, TrainableModel, TrainConfig, TrajectoryGroup, TransformersOptions,
+                      pipeline)
 from art_core.demo import AdditionTask, addition_reward, held_out_success, make_tasks
+from art_core.config import LossName
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -108,8 +114,9 @@ async def run_arm(layout: str, bound: int, seed: int, args: argparse.Namespace, 
     train_tasks = make_tasks(args.steps * args.groups, seed=seed)
     eval_tasks = make_tasks(args.held_out, seed=seed + 10_000)
     model = TrainableModel(name=f"pipe-{layout}-m{bound}-s{seed}-{uuid.uuid4().hex[:6]}", project="bench",
-                           base_model=args.base_model)
-    config = TrainConfig(learning_rate=args.learning_rate, base_matmul_dtype=args.base_matmul_dtype,
+                           base_model=args.base_model, lora=LoraSettings(seed=seed))  # every arm: one fresh adapter
+    config = TrainConfig(learning_rate=args.learning_rate, loss=args.loss,
+                         off_policy_correction=args.off_policy_correction, base_matmul_dtype=args.base_matmul_dtype,
                          prepacked_base_weights=args.prepacked_base_weights)
     async with _backend(layout, bound, root, cluster, args.packed_weights) as backend:
         await model.register(backend)
@@ -226,6 +233,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--held-out", type=int, default=40)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--loss", default="dapo", choices=typing.get_args(LossName),
+                        help="TrainConfig.loss for every arm (default: dapo, the library's)")
+    parser.add_argument("--off-policy-correction", default="ratio", choices=["ratio", "weight"],
+                        help="TrainConfig.off_policy_correction for every arm (only stale samples differ)")
     parser.add_argument("--base-model", default="smollm2-135m-instruct")
     parser.add_argument("--base-matmul-dtype", choices=["bfloat16"], default=None,
                         help="TrainConfig.base_matmul_dtype for every arm (default: the model's own, fp32 on CPU)")

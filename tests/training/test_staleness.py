@@ -128,3 +128,29 @@ def test_a_stale_samples_loss_uses_the_sampler_logprobs_recorded(trainer) -> Non
     assert fresh["samples_off_policy"] == 0 and fresh["ratio_mean"] == 1.0
     on_policy = -sum((r - mean) * len(c) for r, c in zip(REWARDS, COMPLETIONS)) / tokens
     assert fresh["loss"] == pytest.approx(on_policy, abs=1e-6)
+
+
+def test_the_weight_correction_keeps_every_stale_token_weighed_by_its_sampler_ratio(trainer) -> None:
+    """``off_policy_correction="weight"`` (the decoupled objective), on the data above: the ratio is taken against
+    the current policy (1 in value, nothing clipped), and each stale token's loss is weighed by
+    min(pi/pi_sampler, tis_cap): 1.5 capped at 1.2, 0.7 and 1.1. By hand: -sum(w A) over the 12 tokens / 12."""
+    offsets = [[-math.log(1.5)] * 4, [-math.log(0.7)] * 3, [-math.log(1.1)] * 5]
+    current = [_token_logprobs(trainer.model, c) for c in COMPLETIONS]
+    recorded = [(lp + torch.tensor(off)).tolist() for lp, off in zip(current, offsets)]
+    config = TrainConfig(learning_rate=1e-9, loss="dapo", advantage_scale="none", tis_cap=1.2, max_off_policy=2,
+                         off_policy_correction="weight")
+    mean = sum(REWARDS) / 3
+    tokens = sum(len(c) for c in COMPLETIONS)
+    expected = -sum(w * (r - mean) * len(c) for w, r, c in zip([1.2, 0.7, 1.1], REWARDS, COMPLETIONS)) / tokens
+
+    metrics = trainer.train_step([_group(1, recorded)], config, policy_step=3)
+    assert metrics["groups_staleness_2"] == 1 and metrics["samples_off_policy"] == 3
+    assert metrics["ratio_mean"] == 1.0 and metrics["clip_fraction"] == 0.0
+    assert metrics["loss"] == pytest.approx(expected, abs=1e-5)
+    assert metrics["is_truncated_fraction"] == pytest.approx(4 / tokens)  # the first trajectory's tokens
+    assert metrics["is_weight_mean"] == pytest.approx((1.2 * 4 + 0.7 * 3 + 1.1 * 5) / tokens, abs=1e-5)
+
+
+def test_the_weight_correction_needs_a_cap() -> None:
+    with pytest.raises(ValidationError, match=r"tis_cap=None turns it off|tis_cap=None turns off"):
+        TrainConfig(off_policy_correction="weight", tis_cap=None)

@@ -7,7 +7,9 @@ weighs trajectories from their rewards alone: a group it drops is never turned i
 
 Each sample may carry the log-probs of the policy that sampled it (``Sample.behaviour_logprobs``): the loss's
 importance ratio then corrects for the policy's lag exactly (off-policy data); without them the trainer's own
-detached log-probs stand in (on-policy, ratio 1 in value).
+detached log-probs stand in (on-policy, ratio 1 in value). With ``TrainConfig(off_policy_correction="weight")``
+the ratio is always the on-policy one and the truncated importance weight against the sampler's log-probs
+corrects the lag instead (the decoupled objective).
 
 Supervised fine-tuning goes through the same phases (``train_step`` with an ``SFTConfig``): every trajectory
 weighs 1 (``SFTObjective``), and the step is several optimizer steps, ``epochs`` passes over ``batch_size``-
@@ -80,6 +82,9 @@ class _Work:
     """Sequences in the whole step (summed over the ranks with a ``StepSync``)."""
     num_tokens: int
     """Trained tokens in the whole step (likewise)."""
+    ratio_to_sampler: bool = True
+    """Stale samples' loss ratio against their sampler (``TrainConfig.off_policy_correction="ratio"``); False: against
+    the current policy, the truncated importance weight correcting them (``"weight"``)."""
 
     @property
     def micro_batches(self) -> int:
@@ -241,7 +246,8 @@ class GRPOTrainer:
         pack = share and isinstance(config, TrainConfig) and config.pack_groups  # an SFT batch is one group
         plan = plan_micro_batches(sample_groups, token_budget=config.micro_batch_tokens, share_prefix=share,
                                   pad_token_id=self._pad_id(), pack_groups=pack)
-        return _Work(samples, plan, num_sequences, num_tokens)
+        ratio_to_sampler = not isinstance(config, TrainConfig) or config.off_policy_correction == "ratio"
+        return _Work(samples, plan, num_sequences, num_tokens, ratio_to_sampler)
 
     def _accumulate(self, work: _Work, objective: Objective, progress: Progress | None,
                     sync: StepSync | None) -> tuple[StepStats, int]:
@@ -306,7 +312,8 @@ class GRPOTrainer:
         mask = mb.trained.to(device)  # [B, T]
         sampler = mb.sampler_logprobs.to(device)  # [B, T], NaN where the sampler gave none
         result = objective(LossInputs(
-            logprobs=out.logprobs, old_logprobs=_behaviour_logprobs(mb, out.logprobs),
+            logprobs=out.logprobs,
+            old_logprobs=_behaviour_logprobs(mb, out.logprobs) if work.ratio_to_sampler else out.logprobs.detach(),
             advantages=mb.advantages.to(device), mask=mask,
             num_sequences=work.num_sequences, num_tokens=work.num_tokens,
             sampler_logprobs=sampler, ref_logprobs=ref))
