@@ -13,8 +13,9 @@ it (``art_core.training.staleness``). ``max_off_policy=m`` admits a new rollout 
 far would all be trained within m steps of the checkpoint that samples them (at most ``groups_per_step * (m + 1)``
 groups ahead of the last step), and passes ``m`` on as ``TrainConfig.max_off_policy``, so a group that still ends
 up staler (a slow rollout) is dropped and counted, never trained past the bound. ``max_off_policy=0`` is the
-synchronous loop: roll out one step's groups, train, repeat. Stale samples' importance ratios are taken against
-the sampler's recorded log-probs (exact off-policy correction).
+synchronous loop: roll out one step's groups, train, repeat. Stale samples are corrected exactly, from the
+sampler's recorded log-probs: in the loss's ratio by default, or as a truncated importance weight with
+``TrainConfig(off_policy_correction="weight")``.
 
 Rollouts overlap training only when the backend keeps serving during a step
 (``LocalBackend(pause_during_step=False)``); with the default policy they wait at the gateway during each step,
