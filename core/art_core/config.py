@@ -12,9 +12,10 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapt
 
 from .errors import ConfigError
 
-__all__ = ["STEP_KINDS", "LoraSettings", "LossName", "SFTConfig", "StepConfig", "TrainConfig", "step_config"]
+__all__ = ["STEP_KINDS", "LoraSettings", "LossName", "OffPolicyCorrection", "SFTConfig", "StepConfig", "TrainConfig", "step_config"]
 
 LossName = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
+OffPolicyCorrection = Literal["ratio", "weight"]
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -103,7 +104,7 @@ class TrainConfig(_Config):
     the linear weights' copies are bf16, half theirs, while the head's stay in its own dtype: its logits are the
     log-probs). Results move by float rounding (another summation order). False: PyTorch's matmuls on the weights
     themselves."""
-    off_policy_correction: Literal["ratio", "weight"] = "ratio"
+    off_policy_correction: OffPolicyCorrection = "ratio"
     """How a stale sample (drawn by an adapter older than the one training) is corrected; both take the sampler's
     recorded log-probs as the behaviour policy's. ``"ratio"``: the loss's ratio is ``pi / pi_sampler``, so its
     clipping keeps the update within the trust region around the policy that sampled it (PPO's reading; a
@@ -116,8 +117,7 @@ class TrainConfig(_Config):
     """Most steps the adapter may have moved since a group was sampled (its staleness, ``training/staleness.py``:
     0 for the synchronous loop, where each step trains on groups the checkpoint before it sampled). Staler groups
     are dropped before any token is read, counted in ``groups_stale`` and warned about. None: no bound (stale
-    samples are still corrected exactly, their ratio taken against the sampler's recorded log-probs)."""
-
+    samples are still corrected exactly from the sampler's recorded log-probs: ``off_policy_correction``)."""
 
     @model_validator(mode="after")
     def _weight_correction_has_a_cap(self) -> TrainConfig:

@@ -64,8 +64,8 @@ from typing import Any
 
 from art_core import (LocalBackend, LoraSettings, TrainableModel, TrainConfig, TrajectoryGroup, TransformersOptions,
                       pipeline)
+from art_core.config import LossName, OffPolicyCorrection
 from art_core.demo import AdditionTask, addition_reward, held_out_success, make_tasks
-from art_core.config import LossName
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -235,7 +235,7 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--loss", default="dapo", choices=typing.get_args(LossName),
                         help="TrainConfig.loss for every arm (default: dapo, the library's)")
-    parser.add_argument("--off-policy-correction", default="ratio", choices=["ratio", "weight"],
+    parser.add_argument("--off-policy-correction", default="ratio", choices=typing.get_args(OffPolicyCorrection),
                         help="TrainConfig.off_policy_correction for every arm (only stale samples differ)")
     parser.add_argument("--base-model", default="smollm2-135m-instruct")
     parser.add_argument("--base-matmul-dtype", choices=["bfloat16"], default=None,

@@ -312,8 +312,7 @@ class GRPOTrainer:
         mask = mb.trained.to(device)  # [B, T]
         sampler = mb.sampler_logprobs.to(device)  # [B, T], NaN where the sampler gave none
         result = objective(LossInputs(
-            logprobs=out.logprobs,
-            old_logprobs=_behaviour_logprobs(mb, out.logprobs) if work.ratio_to_sampler else out.logprobs.detach(),
+            logprobs=out.logprobs, old_logprobs=_old_logprobs(mb, out.logprobs, work.ratio_to_sampler),
             advantages=mb.advantages.to(device), mask=mask,
             num_sequences=work.num_sequences, num_tokens=work.num_tokens,
             sampler_logprobs=sampler, ref_logprobs=ref))
@@ -561,14 +560,16 @@ def _group_metrics(groups: Sequence[TrajectoryGroup], weights: Weights, sample_g
     }
 
 
-def _behaviour_logprobs(mb: MicroBatch, logprobs: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` log-probs of the policy the samples are attributed to (the loss's ``old_logprobs``).
+def _old_logprobs(mb: MicroBatch, logprobs: torch.Tensor, ratio_to_sampler: bool) -> torch.Tensor:
+    """``[B, T]`` the loss's ``old_logprobs``: those of the policy the samples are attributed to.
 
-    On-policy (no sample gave any): the current ones, detached, so the ratio is 1 in value and its gradient is
-    that of log pi. Otherwise each sample's own, with the current ones where it gave none (NaN).
+    On-policy (no sample gave any), or with ``ratio_to_sampler`` False (``off_policy_correction="weight"``: the
+    truncated importance weight corrects stale samples instead): the current ones, detached, so the ratio is 1 in
+    value and its gradient is that of log pi. Otherwise each sample's own, with the current ones where it gave
+    none (NaN).
     """
     current = logprobs.detach()
-    if mb.behaviour_logprobs is None:
+    if mb.behaviour_logprobs is None or not ratio_to_sampler:
         return current
     given = mb.behaviour_logprobs.to(current.device)  # [B, T], NaN where not given
     return torch.where(torch.isnan(given), current, given.to(current.dtype))
