@@ -36,9 +36,10 @@ and every arm's figures. The machine may be shared: the load average before and 
 still sample in fp32); ``--prepacked-base-weights`` with ``TrainConfig(prepacked_base_weights=True)`` (fp32 by
 default: the base products through oneDNN on pre-packed copies). ``--packed-weights [float32|bfloat16]`` has the
 transformers engine decode through oneDNN on packed weights (``TransformersOptions(packed_weights=...)``: the Ray
-replica's and the in-process engine's) in every arm of those layouts. ``--loss`` and ``--off-policy-correction``
-set ``TrainConfig.loss`` and ``TrainConfig.off_policy_correction`` for every arm (the latter changes only how
-stale samples are trained, so the synchronous arm is the same either way).
+replica's and the in-process engine's) in every arm of those layouts. ``--loss``, ``--off-policy-correction`` and
+``--tis-cap`` set those ``TrainConfig`` fields for every arm (the correction changes only how stale samples are
+trained, so the synchronous arm is the same either way; the cap weighs every sample's trainer/sampler ratio, and
+under ``weight`` it is the stale samples' correction).
 
     python tests/benchmarks/pipeline.py [--layouts ray transformers vllm] [--seeds 0 1 2] [--steps 10]
 
@@ -116,8 +117,8 @@ async def run_arm(layout: str, bound: int, seed: int, args: argparse.Namespace, 
     model = TrainableModel(name=f"pipe-{layout}-m{bound}-s{seed}-{uuid.uuid4().hex[:6]}", project="bench",
                            base_model=args.base_model, lora=LoraSettings(seed=seed))  # every arm: one fresh adapter
     config = TrainConfig(learning_rate=args.learning_rate, loss=args.loss,
-                         off_policy_correction=args.off_policy_correction, base_matmul_dtype=args.base_matmul_dtype,
-                         prepacked_base_weights=args.prepacked_base_weights)
+                         off_policy_correction=args.off_policy_correction, tis_cap=args.tis_cap,
+                         base_matmul_dtype=args.base_matmul_dtype, prepacked_base_weights=args.prepacked_base_weights)
     async with _backend(layout, bound, root, cluster, args.packed_weights) as backend:
         await model.register(backend)
         if layout == "vllm":
@@ -235,8 +236,11 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--loss", default="dapo", choices=typing.get_args(LossName),
                         help="TrainConfig.loss for every arm (default: dapo, the library's)")
-    parser.add_argument("--off-policy-correction", default="ratio", choices=typing.get_args(OffPolicyCorrection),
+    parser.add_argument("--off-policy-correction", default=TrainConfig().off_policy_correction,
+                        choices=typing.get_args(OffPolicyCorrection),
                         help="TrainConfig.off_policy_correction for every arm (only stale samples differ)")
+    parser.add_argument("--tis-cap", type=float, default=TrainConfig().tis_cap,
+                        help="TrainConfig.tis_cap for every arm (default: %(default)s, the library's)")
     parser.add_argument("--base-model", default="smollm2-135m-instruct")
     parser.add_argument("--base-matmul-dtype", choices=["bfloat16"], default=None,
                         help="TrainConfig.base_matmul_dtype for every arm (default: the model's own, fp32 on CPU)")
