@@ -35,7 +35,7 @@ demo: $(VENV)/.installed
 
 # Two pytest-xdist workers, one torch thread each (tests/conftest.py says why): ~15 min instead of ~21 on a
 # quiet 2-core machine. --dist loadfile keeps a module's tests, and its module-scoped servers and clusters, in
-# one worker, in file order; modules start longest first (tests/module_order.py: xdist's own order put the
+# one worker, in file order; the slow modules start first (tests/module_order.py: xdist's own order put the
 # 6-minute learning test last, alone). Latency figures (marker `alone`) run afterwards in a run of their own:
 # beside another worker's training step they would measure the machine. TEST_WORKERS=0: everything in one process.
 TEST_WORKERS ?= 2

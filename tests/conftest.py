@@ -42,24 +42,15 @@ def pytest_configure(config: pytest.Config) -> None:
         import torch
 
         torch.set_num_threads(TORCH_THREADS)
-    # Longest modules first (module_order.py): the workers collect in that order, and xdist's scheduler must not
+    # Slow modules first (module_order.py): the workers collect in that order, and xdist's scheduler must not
     # re-sort the modules by their number of tests.
     if getattr(config.option, "dist", "no") in ("loadfile", "loadscope"):
         config.option.loadscopereorder = False
-    record_to = config.getoption("write_module_seconds")
-    if record_to and not module_order.in_xdist_worker():
-        config.pluginmanager.register(module_order.SecondsRecorder(Path(record_to)), "module-seconds-recorder")
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--write-module-seconds", metavar="PATH", default=None,
-                     help="write each test module's seconds (all phases, summed) to PATH as JSON, for "
-                          "tests/module_seconds.json (tests/module_order.py)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if module_order.in_xdist_worker():  # a plain run keeps the collection order
-        module_order.longest_modules_first(items, module_order.load_seconds())
+        module_order.slow_modules_first(items)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -1,34 +1,30 @@
-"""The suite's own scheduling aid (``tests/module_order.py``): longest modules first, each module's tests in order."""
+"""The suite's own scheduling aid (``tests/module_order.py``): slow modules first, each module's tests in order."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import pytest
 
 import module_order
 
 
 @dataclass
 class Item:
-    """Stands in for a collected ``pytest.Item``: the ordering reads nothing but ``nodeid``."""
+    """Stands in for a collected ``pytest.Item``: the ordering reads its ``nodeid`` and its markers only."""
 
     nodeid: str
+    markers: list[str] = field(default_factory=list)
+
+    def get_closest_marker(self, name: str) -> pytest.Mark | None:
+        return getattr(pytest.mark, name).mark if name in self.markers else None
 
 
-def test_modules_go_longest_first_and_keep_their_own_order():
-    items = [Item(n) for n in ("tests/a.py::one", "tests/a.py::two", "tests/b.py::one", "tests/c.py::one",
-                               "tests/c.py::two", "tests/c.py::three", "tests/new.py::one", "tests/new.py::two")]
-    # Known: a 2 tests in 4 s, b 1 in 300 s, c 3 in 6 s: 310 s over 6 tests, so the unknown module's 2 tests
-    # count as ~103 s, between b and c.
-    module_order.longest_modules_first(items, {"tests/a.py": 4.0, "tests/b.py": 300.0, "tests/c.py": 6.0})
-    assert [i.nodeid for i in items] == ["tests/b.py::one", "tests/new.py::one", "tests/new.py::two",
+def test_slow_modules_go_first_then_the_most_tests_and_each_module_keeps_its_order():
+    items = [Item("tests/a.py::one"), Item("tests/a.py::two"), Item("tests/b.py::one"),
+             Item("tests/c.py::one"), Item("tests/c.py::two"), Item("tests/c.py::three"),
+             Item("tests/learn.py::one", ["slow"]), Item("tests/d.py::one"), Item("tests/d.py::two", ["slow"])]
+    module_order.slow_modules_first(items)
+    assert [i.nodeid for i in items] == ["tests/d.py::one", "tests/d.py::two", "tests/learn.py::one",
                                          "tests/c.py::one", "tests/c.py::two", "tests/c.py::three",
-                                         "tests/a.py::one", "tests/a.py::two"]
-
-
-def test_the_checked_in_table_names_modules_that_exist(pytestconfig):
-    # A renamed or deleted module left in the table would only mis-order the run; this keeps the table honest.
-    table = json.loads(module_order.MODULE_SECONDS.read_text())
-    missing = [m for m in table if not (pytestconfig.rootpath / m).is_file()]
-    assert not missing, (f"tests/module_seconds.json names modules that are gone: {missing} (refresh it: "
-                         "tests/module_order.py says how)")
+                                         "tests/a.py::one", "tests/a.py::two", "tests/b.py::one"]
