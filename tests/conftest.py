@@ -49,7 +49,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if module_order.in_xdist_worker():  # a plain run keeps the collection order
+    if hasattr(config, "workerinput"):  # an xdist worker (xdist's own test); a plain run keeps the collection order
         module_order.slow_modules_first(items)
 
 

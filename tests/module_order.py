@@ -13,7 +13,6 @@ worker's core; they slowed each other down (a README snippet 38 s -> 150 s) and 
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 
 import pytest
@@ -23,14 +22,15 @@ def module_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
-def in_xdist_worker() -> bool:
-    return "PYTEST_XDIST_WORKER" in os.environ
-
-
 def slow_modules_first(items: list[pytest.Item]) -> None:
     """Sort ``items`` in place: modules with a ``slow`` test first, then by their number of tests, most first;
     a module's own tests keep their order (its module-scoped fixtures and file-order tests rely on it), as do
     modules that tie."""
     counts = Counter(module_of(item.nodeid) for item in items)
     slow = {module_of(item.nodeid) for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: (module_of(item.nodeid) not in slow, -counts[module_of(item.nodeid)]))
+
+    def place(item: pytest.Item) -> tuple[bool, int]:
+        module = module_of(item.nodeid)
+        return module not in slow, -counts[module]
+
+    items.sort(key=place)

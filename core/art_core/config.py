@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapt
 
 from .errors import ConfigError
 
-__all__ = ["STEP_KINDS", "LoraSettings", "LossName", "OffPolicyCorrection", "SFTConfig", "StepConfig", "TrainConfig", "step_config"]
+__all__ = ["STEP_KINDS", "LoraSettings", "LossName", "OffPolicyCorrection", "SFTConfig", "StepConfig", "TrainConfig",
+           "step_config"]
 
 LossName = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
 OffPolicyCorrection = Literal["ratio", "weight"]
