@@ -12,11 +12,12 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapt
 
 from .errors import ConfigError
 
-__all__ = ["STEP_KINDS", "LoraSettings", "LossName", "OffPolicyCorrection", "SFTConfig", "StepConfig", "TrainConfig",
-           "step_config"]
+__all__ = ["STEP_KINDS", "LoraSettings", "LossName", "OffPolicyBaseline", "OffPolicyCorrection", "SFTConfig",
+           "StepConfig", "TrainConfig", "step_config"]
 
 LossName = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
 OffPolicyCorrection = Literal["ratio", "weight"]
+OffPolicyBaseline = Literal["reweighted", "sampled"]
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -114,6 +115,14 @@ class TrainConfig(_Config):
     optimizer step), as for fresh samples, and the staleness is corrected by the truncated importance weight
     ``min(pi / pi_sampler, tis_cap)`` in front of each token's loss; every stale token keeps a gradient. Needs
     ``tis_cap``."""
+    off_policy_baseline: OffPolicyBaseline = "reweighted"
+    """What a stale group's advantages are centred on (``training/stale_baseline.py``). ``"reweighted"``: the
+    reward the *current* adapter expects on the group's task, estimated from the group's own answers by
+    self-normalised importance weights ``pi(y) / pi_sampler(y)`` (each trajectory's log-probs under the training
+    adapter against the sampler's recorded ones). A group whose better answers the adapter already favours then
+    has its advantages lowered by that much, so the step does not push again where the steps since its sampling
+    already pushed (fresh data would show that push; stale data cannot). ``"sampled"``: the group's mean as
+    sampled. Fresh groups train the same either way; metrics ``groups_recentred``, ``stale_baseline_mean``."""
     max_off_policy: int | None = Field(None, ge=0)
     """Most steps the adapter may have moved since a group was sampled (its staleness, ``training/staleness.py``:
     0 for the synchronous loop, where each step trains on groups the checkpoint before it sampled). Staler groups

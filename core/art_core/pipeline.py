@@ -15,7 +15,8 @@ groups ahead of the last step), and passes ``m`` on as ``TrainConfig.max_off_pol
 up staler (a slow rollout) is dropped and counted, never trained past the bound. ``max_off_policy=0`` is the
 synchronous loop: roll out one step's groups, train, repeat. Stale samples are corrected exactly, from the
 sampler's recorded log-probs: in the loss's ratio by default, or as a truncated importance weight with
-``TrainConfig(off_policy_correction="weight")``.
+``TrainConfig(off_policy_correction="weight")``; and a stale group's advantages are centred on the reward the
+current adapter expects, not the one its sampler did (``TrainConfig.off_policy_baseline``).
 
 Rollouts overlap training only when the backend keeps serving during a step
 (``LocalBackend(pause_during_step=False)``); with the default policy they wait at the gateway during each step,

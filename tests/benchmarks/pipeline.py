@@ -36,10 +36,12 @@ and every arm's figures. The machine may be shared: the load average before and 
 still sample in fp32); ``--prepacked-base-weights`` with ``TrainConfig(prepacked_base_weights=True)`` (fp32 by
 default: the base products through oneDNN on pre-packed copies). ``--packed-weights [float32|bfloat16]`` has the
 transformers engine decode through oneDNN on packed weights (``TransformersOptions(packed_weights=...)``: the Ray
-replica's and the in-process engine's) in every arm of those layouts. ``--loss``, ``--off-policy-correction`` and
-``--tis-cap`` set those ``TrainConfig`` fields for every arm (the correction changes only how stale samples are
-trained, so the synchronous arm is the same either way; the cap weighs every sample's trainer/sampler ratio, and
-under ``weight`` it is the stale samples' correction).
+replica's and the in-process engine's) in every arm of those layouts. ``--loss``, ``--off-policy-correction``,
+``--off-policy-baseline`` and ``--tis-cap`` set those ``TrainConfig`` fields for every arm (the correction and
+the baseline change only how stale samples are trained, so the synchronous arm is the same either way; the cap
+weighs every sample's trainer/sampler ratio, and under ``weight`` it is the stale samples' correction). Each arm's
+row also has ``per_step`` lists of what moves with staleness: ``clip_fraction``, ``ratio_mean``, ``entropy``,
+``grad_norm``, ``groups_used``, ``stale_baseline_mean``.
 
     python tests/benchmarks/pipeline.py [--layouts ray transformers vllm] [--seeds 0 1 2] [--steps 10]
 
@@ -52,6 +54,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shutil
 import statistics
@@ -65,7 +68,7 @@ from typing import Any
 
 from art_core import (LocalBackend, LoraSettings, TrainableModel, TrainConfig, TrajectoryGroup, TransformersOptions,
                       pipeline)
-from art_core.config import LossName, OffPolicyCorrection
+from art_core.config import LossName, OffPolicyBaseline, OffPolicyCorrection
 from art_core.demo import AdditionTask, addition_reward, held_out_success, make_tasks
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -118,6 +121,7 @@ async def run_arm(layout: str, bound: int, seed: int, args: argparse.Namespace, 
                            base_model=args.base_model, lora=LoraSettings(seed=seed))  # every arm: one fresh adapter
     config = TrainConfig(learning_rate=args.learning_rate, loss=args.loss,
                          off_policy_correction=args.off_policy_correction, tis_cap=args.tis_cap,
+                         off_policy_baseline=args.off_policy_baseline,
                          base_matmul_dtype=args.base_matmul_dtype, prepacked_base_weights=args.prepacked_base_weights)
     async with _backend(layout, bound, root, cluster, args.packed_weights) as backend:
         await model.register(backend)
@@ -154,6 +158,10 @@ async def run_arm(layout: str, bound: int, seed: int, args: argparse.Namespace, 
            "groups_stale": sum(int(s.metrics.get("groups_stale", 0)) for s in steps),
            "rollouts_failed": report.rollouts_failed, "heldout_before": before, "heldout_after": after,
            "rewards": [s.metrics.get("reward_mean") for s in steps],
+           # per step, what moves with staleness: the trust region's share of tokens, the ratio, the entropy
+           "per_step": {key: [round(s.metrics.get(key, math.nan), 4) for s in steps]
+                        for key in ("clip_fraction", "ratio_mean", "entropy", "grad_norm", "groups_used",
+                                    "stale_baseline_mean")},
            "adapter_load_s": [round(s.metrics.get("seconds_adapter_load", 0.0), 3) for s in steps]}
     merges = engine_health.get("merge_times")
     if merges and merges["merges"]:  # vLLM on CPU: each checkpoint merged into its weights, requests held meanwhile
@@ -239,6 +247,9 @@ def main() -> None:
     parser.add_argument("--off-policy-correction", default=TrainConfig().off_policy_correction,
                         choices=typing.get_args(OffPolicyCorrection),
                         help="TrainConfig.off_policy_correction for every arm (only stale samples differ)")
+    parser.add_argument("--off-policy-baseline", default=TrainConfig().off_policy_baseline,
+                        choices=typing.get_args(OffPolicyBaseline),
+                        help="TrainConfig.off_policy_baseline for every arm (only stale groups differ)")
     parser.add_argument("--tis-cap", type=float, default=TrainConfig().tis_cap,
                         help="TrainConfig.tis_cap for every arm (default: %(default)s, the library's)")
     parser.add_argument("--base-model", default="smollm2-135m-instruct")

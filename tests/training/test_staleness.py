@@ -100,7 +100,8 @@ def test_a_stale_samples_loss_uses_the_sampler_logprobs_recorded(trainer) -> Non
     offsets = [[-math.log(1.5)] * 4, [-math.log(0.7)] * 3, [-math.log(1.1)] * 5]
     current = [_token_logprobs(trainer.model, c) for c in COMPLETIONS]
     recorded = [(lp + torch.tensor(off)).tolist() for lp, off in zip(current, offsets)]
-    config = TrainConfig(learning_rate=1e-9, loss="dapo", advantage_scale="none", tis_cap=None, max_off_policy=2)
+    config = TrainConfig(learning_rate=1e-9, loss="dapo", advantage_scale="none", tis_cap=None, max_off_policy=2,
+                         off_policy_baseline="sampled")
 
     # By hand: A_i = r_i - mean(r) = (0.5, -0.5, 0); per token -min(r A, clip(r, 0.8, 1.28) A); mean over 12 tokens.
     mean = sum(REWARDS) / 3
@@ -138,7 +139,7 @@ def test_the_weight_correction_keeps_every_stale_token_weighed_by_its_sampler_ra
     current = [_token_logprobs(trainer.model, c) for c in COMPLETIONS]
     recorded = [(lp + torch.tensor(off)).tolist() for lp, off in zip(current, offsets)]
     config = TrainConfig(learning_rate=1e-9, loss="dapo", advantage_scale="none", tis_cap=1.2, max_off_policy=2,
-                         off_policy_correction="weight")
+                         off_policy_correction="weight", off_policy_baseline="sampled")
     mean = sum(REWARDS) / 3
     tokens = sum(len(c) for c in COMPLETIONS)
     expected = -sum(w * (r - mean) * len(c) for w, r, c in zip([1.2, 0.7, 1.1], REWARDS, COMPLETIONS)) / tokens
@@ -154,3 +155,53 @@ def test_the_weight_correction_keeps_every_stale_token_weighed_by_its_sampler_ra
 def test_the_weight_correction_needs_a_cap() -> None:
     with pytest.raises(ValidationError, match=r"tis_cap=None turns it off|tis_cap=None turns off"):
         TrainConfig(off_policy_correction="weight", tis_cap=None)
+
+
+LONG = [[201 + i for i in range(9)] + [2], [301 + i for i in range(7)] + [2], [401 + i for i in range(8)] + [2]]
+
+
+@pytest.mark.parametrize("completions", [COMPLETIONS, LONG], ids=["one-micro-batch", "split-over-micro-batches"])
+def test_a_stale_groups_advantages_are_centred_on_what_the_current_policy_expects(trainer, completions) -> None:
+    """``off_policy_baseline="reweighted"`` (the default), the recorded log-probs offset from the module's own so
+    that each token's ratio pi/pi_sampler is 1.5, 0.7 or 1.1 by trajectory: each trajectory's importance weight is
+    the product over its tokens, normalised over the group; the baseline b = sum w_i A_i comes off every
+    advantage, then DAPO as before. The current adapter favours the best answer (reward 1) most, so b > 0: the
+    good answer is pushed less, the bad ones more. With completions of 8-10 tokens the group's samples no longer
+    fit one micro-batch of 16 tokens, and the weights come from a forward pass before the step: the same loss."""
+    ratios = [1.5, 0.7, 1.1]
+    current = [_token_logprobs(trainer.model, c) for c in completions]
+    recorded = [(lp - math.log(r)).tolist() for lp, r in zip(current, ratios)]
+    group = TrajectoryGroup(
+        Trajectory(id=f"t{i}", reward=REWARDS[i], calls=[CallRecord(
+            prompt_token_ids=PROMPT, completion_token_ids=c, adapter_step=1, logprobs=recorded[i])])
+        for i, c in enumerate(completions))
+    config = TrainConfig(learning_rate=1e-9, loss="dapo", advantage_scale="none", tis_cap=None, max_off_policy=2,
+                         micro_batch_tokens=16)
+    assert config.off_policy_baseline == "reweighted"
+
+    mean = sum(REWARDS) / 3
+    weights = torch.softmax(torch.tensor([len(c) * math.log(r) for c, r in zip(completions, ratios)]), 0)
+    baseline = float(sum(w * (r - mean) for w, r in zip(weights.tolist(), REWARDS)))
+    if completions is COMPLETIONS:  # weights 1.5^4, 0.7^3, 1.1^5 normalised: (0.72, 0.05, 0.23)
+        assert baseline == pytest.approx(0.3363, abs=1e-4)
+    losses = []
+    for lp, rec, reward in zip(current, recorded, REWARDS):
+        ratio = torch.exp(lp - torch.tensor(rec))
+        advantage = reward - mean - baseline
+        losses.append(-torch.minimum(ratio * advantage, ratio.clamp(0.8, 1.28) * advantage))
+    tokens = sum(len(c) for c in completions)
+    expected = float(torch.cat(losses).sum() / tokens)
+
+    metrics = trainer.train_step([group], config, policy_step=3)  # sampled 2 steps ago
+    assert metrics["micro_batches"] == (1 if completions is COMPLETIONS else 3)
+    assert metrics["groups_recentred"] == 1 and metrics["stale_baseline_mean"] == pytest.approx(baseline, abs=1e-5)
+    assert metrics["loss"] == pytest.approx(expected, abs=1e-5)
+
+    # The same group counted as fresh is not touched: its trajectories all weigh 1, its advantages are centred.
+    for t in group.trajectories:
+        t.calls[0].adapter_step = 3
+    fresh = trainer.train_step([group], config, policy_step=3)
+    assert fresh["groups_recentred"] == 0 and fresh["stale_baseline_mean"] == 0.0
+    assert fresh["loss"] == pytest.approx(-sum((r - mean) * len(c) for r, c in zip(REWARDS, completions)) / tokens,
+                                          abs=1e-6)
+

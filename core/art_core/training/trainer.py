@@ -9,7 +9,9 @@ Each sample may carry the log-probs of the policy that sampled it (``Sample.beha
 importance ratio then corrects for the policy's lag exactly (off-policy data); without them the trainer's own
 detached log-probs stand in (on-policy, ratio 1 in value). With ``TrainConfig(off_policy_correction="weight")``
 the ratio is always the on-policy one and the truncated importance weight against the sampler's log-probs
-corrects the lag instead (the decoupled objective).
+corrects the lag instead (the decoupled objective). Either way a stale group's advantages are re-centred on the
+reward the current policy expects (``stale_baseline.py``; ``TrainConfig(off_policy_baseline="sampled")`` keeps
+the sampled mean).
 
 Supervised fine-tuning goes through the same phases (``train_step`` with an ``SFTConfig``): every trajectory
 weighs 1 (``SFTObjective``), and the step is several optimizer steps, ``epochs`` passes over ``batch_size``-
@@ -48,6 +50,7 @@ from .losses import LossInputs
 from .objectives import GRPOObjective, Objective, SFTObjective, Weights
 from .samples import Sample, attribute_behaviour, trajectory_samples
 from .schedules import learning_rates
+from .stale_baseline import StaleBaselines
 from .staleness import StaleGroupsWarning, staleness
 from .step_stats import StepStats, sft_metrics, step_metrics
 
@@ -85,6 +88,9 @@ class _Work:
     ratio_to_sampler: bool = True
     """Stale samples' loss ratio against their sampler (``TrainConfig.off_policy_correction="ratio"``); False: against
     the current policy, the truncated importance weight correcting them (``"weight"``)."""
+    baselines: StaleBaselines | None = None
+    """Stale groups' advantages re-centred on the current policy (``TrainConfig.off_policy_baseline="reweighted"``,
+    ``stale_baseline.py``); None: as sampled, or no stale group in the step."""
 
     @property
     def micro_batches(self) -> int:
@@ -194,6 +200,7 @@ class GRPOTrainer:
             totals = self._apply(stats, config, objective)
             t_end = time.perf_counter()
         # 5. metrics
+        metrics.update(_baseline_metrics(work.baselines))
         metrics.update(step_metrics(totals, work.samples, num_sequences=work.num_sequences,
                                     num_tokens=work.num_tokens, forward_tokens=forward_tokens,
                                     micro_batches=work.micro_batches),
@@ -247,7 +254,11 @@ class GRPOTrainer:
         plan = plan_micro_batches(sample_groups, token_budget=config.micro_batch_tokens, share_prefix=share,
                                   pad_token_id=self._pad_id(), pack_groups=pack)
         ratio_to_sampler = not isinstance(config, TrainConfig) or config.off_policy_correction == "ratio"
-        return _Work(samples, plan, num_sequences, num_tokens, ratio_to_sampler)
+        baselines = None
+        if isinstance(config, TrainConfig) and config.off_policy_baseline == "reweighted":
+            # an FSDP rank (a sync that plans passes) may add no forward pass: the others would not join it
+            baselines = StaleBaselines(samples, plan, extra_pass=not hasattr(sync, "planned")) or None
+        return _Work(samples, plan, num_sequences, num_tokens, ratio_to_sampler, baselines)
 
     def _accumulate(self, work: _Work, objective: Objective, progress: Progress | None,
                     sync: StepSync | None) -> tuple[StepStats, int]:
@@ -260,6 +271,8 @@ class GRPOTrainer:
         done = forward_tokens = 0
         root = ref_root = None  # the prompt every group starts with, run once for the step (batching.py)
         try:
+            if work.baselines is not None and work.baselines.split:
+                forward_tokens += self._stale_log_weights(work, work.baselines)
             for pg in work.plan:
                 prompts = pg.prefixes if isinstance(pg, PackedGroups) else [pg.prefix_ids] if pg.prefix_ids else []
                 if pg.root_length and root is None:
@@ -292,6 +305,27 @@ class GRPOTrainer:
             raise
         return stats, forward_tokens
 
+    @torch.no_grad()
+    def _stale_log_weights(self, work: _Work, baselines: StaleBaselines) -> int:
+        """A forward pass without gradient over the micro-batches holding samples of stale groups spread over
+        several micro-batches (over the token budget): their trajectories' importance log-weights,
+        which re-centring needs before any of their losses (``stale_baseline.py``). Returns the tokens run."""
+        root, tokens = None, 0
+        for pg in work.plan:
+            wanted = [mb for mb in pg.micro_batches if any(s.group_index in baselines.split for s in mb.samples)]
+            if not wanted:
+                continue
+            prompts = pg.prefixes if isinstance(pg, PackedGroups) else [pg.prefix_ids] if pg.prefix_ids else []
+            if pg.root_length and root is None:
+                root = SharedPrefix(self.model, prompts[0][:pg.root_length], grad=False)
+                tokens += root.length
+            prefix = self._prefix(pg, grad=False, parent=root if pg.root_length else None)
+            tokens += sum(len(prompt) - pg.root_length for prompt in prompts)
+            for mb in wanted:
+                baselines.add_log_weights(mb, micro_batch_logprobs(self.model, mb, prefix).logprobs)
+                tokens += int(mb.attention_mask.sum())
+        return tokens
+
     def _prefix(self, pg: PrefixGroup | PackedGroups, *, grad: bool,
                 parent: SharedPrefix | None) -> SharedPrefix | PrefixBatch | None:
         """The prompt(s) ``pg``'s micro-batches continue: one group's, or packed groups' as one batch."""
@@ -311,9 +345,11 @@ class GRPOTrainer:
         device = out.logprobs.device
         mask = mb.trained.to(device)  # [B, T]
         sampler = mb.sampler_logprobs.to(device)  # [B, T], NaN where the sampler gave none
+        advantages = (mb.advantages.to(device) if work.baselines is None
+                      else work.baselines.advantages(mb, out.logprobs.detach()))
         result = objective(LossInputs(
             logprobs=out.logprobs, old_logprobs=_old_logprobs(mb, out.logprobs, work.ratio_to_sampler),
-            advantages=mb.advantages.to(device), mask=mask,
+            advantages=advantages, mask=mask,
             num_sequences=work.num_sequences, num_tokens=work.num_tokens,
             sampler_logprobs=sampler, ref_logprobs=ref))
         result.loss.backward()  # a non-finite loss is caught at the step's sync, before the update
@@ -558,6 +594,14 @@ def _group_metrics(groups: Sequence[TrajectoryGroup], weights: Weights, sample_g
         "rollout_exceptions": float(sum(len(g.exceptions) for g in groups)),
         "learning_rate": config.learning_rate,
     }
+
+
+def _baseline_metrics(baselines: StaleBaselines | None) -> dict[str, float]:
+    """``groups_recentred`` (stale groups whose advantages were re-centred) and ``stale_baseline_mean`` (their mean
+    shift ``b``, in advantage units: above 0 when the adapter already favours the better answers it was trained
+    on). Read after the step's sync."""
+    shifts = [float(b) for b in baselines.shifts] if baselines is not None else []
+    return {"groups_recentred": float(len(shifts)), "stale_baseline_mean": _mean(shifts) if shifts else 0.0}
 
 
 def _old_logprobs(mb: MicroBatch, logprobs: torch.Tensor, ratio_to_sampler: bool) -> torch.Tensor:
