@@ -101,6 +101,7 @@ async def test_rollouts_go_on_while_a_step_trains_and_the_next_step_corrects_for
         second = (await model.history())[1]
         assert second["groups_staleness_1"] == 2 and second["groups_stale"] == 0  # sampled by 0, trained from 1
         assert second["samples_off_policy"] == 4  # their ratios are taken against the sampler's log-probs
+        assert second["groups_recentred"] == 2  # and their advantages centred on what adapter 1 expects
         assert report.steps[0].seconds_both > 0 and report.steps[0].overlap > 0
 
 
