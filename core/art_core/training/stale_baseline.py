@@ -92,11 +92,7 @@ class StaleBaselines:
     def add_log_weights(self, mb: MicroBatch, logprobs: torch.Tensor) -> None:
         """Take the log-weights of ``mb``'s rows of split groups from a forward pass (``logprobs`` ``[B, T]``,
         detached); a trajectory's rows add up."""
-        rows = row_log_weights(mb, logprobs)
-        for i, s in enumerate(mb.samples):
-            if s.group_index in self.split:
-                key = (s.group_index, s.trajectory_id)
-                self._log_weight[key] = self._log_weight.get(key, 0.0) + rows[i]
+        self._add_log_weights(mb, logprobs, self.split)
 
     def advantages(self, mb: MicroBatch, logprobs: torch.Tensor) -> torch.Tensor:
         """``[B, T]`` ``mb``'s advantages with each stale group's ``b`` taken off its trained tokens; the others
@@ -107,11 +103,7 @@ class StaleBaselines:
             return advantages
         local = groups - self.split
         if local:  # every sample of these groups is in this micro-batch: their weights come from its forward
-            rows = row_log_weights(mb, logprobs)
-            for i, s in enumerate(mb.samples):
-                if s.group_index in local:
-                    key = (s.group_index, s.trajectory_id)
-                    self._log_weight[key] = self._log_weight.get(key, 0.0) + rows[i]
+            self._add_log_weights(mb, logprobs, local)
         shift = torch.zeros(len(mb.samples), device=logprobs.device, dtype=advantages.dtype)
         for i, s in enumerate(mb.samples):
             if s.group_index in groups:
@@ -119,10 +111,17 @@ class StaleBaselines:
         trained = mb.trained.to(logprobs.device) > 0
         return torch.where(trained, advantages - shift[:, None], advantages)
 
+    def _add_log_weights(self, mb: MicroBatch, logprobs: torch.Tensor, groups: set[int]) -> None:
+        rows = row_log_weights(mb, logprobs)
+        for i, s in enumerate(mb.samples):
+            if s.group_index in groups:
+                key = (s.group_index, s.trajectory_id)
+                self._log_weight[key] = self._log_weight[key] + rows[i] if key in self._log_weight else rows[i]
+
     def _group_baseline(self, group: int) -> torch.Tensor:
         if group not in self._baseline:
             ids = self._trajectories[group]
-            log_w = torch.stack([torch.as_tensor(self._log_weight[(group, t)]) for t in ids])
+            log_w = torch.stack([self._log_weight[(group, t)] for t in ids])
             advantages = torch.tensor([self._advantage[(group, t)] for t in ids], dtype=log_w.dtype,
                                       device=log_w.device)
             baseline = (torch.softmax(log_w, dim=0) * advantages).sum()
