@@ -60,14 +60,9 @@ class StaleBaselines:
 
     def __init__(self, samples: Sequence[Sample], plan: Sequence[PrefixGroup | PackedGroups], *,
                  extra_pass: bool = True) -> None:
-        self._trajectories: dict[int, list[str]] = {}  # stale group -> its trajectories, in order
-        for s in samples:
-            if s.behaviour_logprobs is not None:
-                self._trajectories.setdefault(s.group_index, [])
-        for s in samples:
-            ids = self._trajectories.get(s.group_index)
-            if ids is not None and s.trajectory_id not in ids:
-                ids.append(s.trajectory_id)
+        stale = {s.group_index for s in samples if s.behaviour_logprobs is not None}
+        self._trajectories: dict[int, list[str]] = {  # stale group -> its trajectories, in order
+            g: list(dict.fromkeys(s.trajectory_id for s in samples if s.group_index == g)) for g in stale}
         self._advantage = {(s.group_index, s.trajectory_id): s.advantage for s in samples
                            if s.group_index in self._trajectories}
         homes: dict[int, set[int]] = {}  # stale group -> the micro-batches (by id) holding its samples
@@ -104,10 +99,9 @@ class StaleBaselines:
         local = groups - self.split
         if local:  # every sample of these groups is in this micro-batch: their weights come from its forward
             self._add_log_weights(mb, logprobs, local)
-        shift = torch.zeros(len(mb.samples), device=logprobs.device, dtype=advantages.dtype)
-        for i, s in enumerate(mb.samples):
-            if s.group_index in groups:
-                shift[i] = self._group_baseline(s.group_index)
+        zero = torch.zeros((), device=logprobs.device, dtype=advantages.dtype)
+        shift = torch.stack([self._group_baseline(s.group_index) if s.group_index in groups else zero
+                             for s in mb.samples])  # [B], one copy rather than one per row
         trained = mb.trained.to(logprobs.device) > 0
         return torch.where(trained, advantages - shift[:, None], advantages)
 

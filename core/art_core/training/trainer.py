@@ -274,7 +274,7 @@ class GRPOTrainer:
             if work.baselines is not None and work.baselines.split:
                 forward_tokens += self._stale_log_weights(work, work.baselines)
             for pg in work.plan:
-                prompts = pg.prefixes if isinstance(pg, PackedGroups) else [pg.prefix_ids] if pg.prefix_ids else []
+                prompts = _prompts(pg)
                 if pg.root_length and root is None:
                     root = SharedPrefix(self.model, prompts[0][:pg.root_length], grad=True)
                     if objective.reference:
@@ -315,7 +315,7 @@ class GRPOTrainer:
             wanted = [mb for mb in pg.micro_batches if any(s.group_index in baselines.split for s in mb.samples)]
             if not wanted:
                 continue
-            prompts = pg.prefixes if isinstance(pg, PackedGroups) else [pg.prefix_ids] if pg.prefix_ids else []
+            prompts = _prompts(pg)
             if pg.root_length and root is None:
                 root = SharedPrefix(self.model, prompts[0][:pg.root_length], grad=False)
                 tokens += root.length
@@ -596,11 +596,16 @@ def _group_metrics(groups: Sequence[TrajectoryGroup], weights: Weights, sample_g
     }
 
 
+def _prompts(pg: PrefixGroup | PackedGroups) -> list[list[int]]:
+    """The prompts ``pg``'s micro-batches continue (none when its samples share nothing)."""
+    return pg.prefixes if isinstance(pg, PackedGroups) else [pg.prefix_ids] if pg.prefix_ids else []
+
+
 def _baseline_metrics(baselines: StaleBaselines | None) -> dict[str, float]:
     """``groups_recentred`` (stale groups whose advantages were re-centred) and ``stale_baseline_mean`` (their mean
     shift ``b``, in advantage units: above 0 when the adapter already favours the better answers it was trained
     on). Read after the step's sync."""
-    shifts = [float(b) for b in baselines.shifts] if baselines is not None else []
+    shifts = torch.stack(baselines.shifts).tolist() if baselines is not None and baselines.shifts else []
     return {"groups_recentred": float(len(shifts)), "stale_baseline_mean": _mean(shifts) if shifts else 0.0}
 
 
