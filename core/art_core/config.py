@@ -12,12 +12,13 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapt
 
 from .errors import ConfigError
 
-__all__ = ["STEP_KINDS", "LoraSettings", "LossName", "OffPolicyBaseline", "OffPolicyCorrection", "SFTConfig",
-           "StepConfig", "TrainConfig", "step_config"]
+__all__ = ["STEP_KINDS", "LoraSettings", "LossName", "OffPolicyBaseline", "OffPolicyCorrection",
+           "OffPolicyTrustRegion", "SFTConfig", "StepConfig", "TrainConfig", "step_config"]
 
 LossName = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
 OffPolicyCorrection = Literal["ratio", "weight"]
 OffPolicyBaseline = Literal["reweighted", "sampled"]
+OffPolicyTrustRegion = Literal["compounded", "fixed"]
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -115,6 +116,15 @@ class TrainConfig(_Config):
     optimizer step), as for fresh samples, and the staleness is corrected by the truncated importance weight
     ``min(pi / pi_sampler, tis_cap)`` in front of each token's loss; every stale token keeps a gradient. Needs
     ``tis_cap``."""
+    off_policy_trust_region: OffPolicyTrustRegion = "compounded"
+    """Under ``off_policy_correction="ratio"``, how far a stale sample's ratio ``pi / pi_sampler`` may go before
+    the clip removes a token's gradient. ``"compounded"``: the loss's one-step range compounded over the sample's
+    staleness ``s`` and the step itself, ``[(1 - eps_low)^(s+1), (1 + eps_high)^(s+1)]`` (DAPO's defaults: 0.64 to
+    1.64 for ``s = 1``). The ``s`` steps since sampling each moved the adapter within a trust region of their own;
+    a token they moved keeps its gradient until this step would take it past one more. ``"fixed"``: the one-step
+    range whatever the staleness, so a token the steps since sampling moved past it gets no gradient (it is most
+    often a token being learned: on the demo's task this trains measurably less per step; README, "Asynchronous
+    training"). Fresh samples (``s = 0``) train the same either way; ``"weight"`` has no such range."""
     off_policy_baseline: OffPolicyBaseline = "reweighted"
     """What a stale group's advantages are centred on (``training/stale_baseline.py``). ``"reweighted"``: the
     reward the *current* adapter expects on the group's task, estimated from the group's own answers by

@@ -14,7 +14,8 @@ far would all be trained within m steps of the checkpoint that samples them (at 
 groups ahead of the last step), and passes ``m`` on as ``TrainConfig.max_off_policy``, so a group that still ends
 up staler (a slow rollout) is dropped and counted, never trained past the bound. ``max_off_policy=0`` is the
 synchronous loop: roll out one step's groups, train, repeat. Stale samples are corrected exactly, from the
-sampler's recorded log-probs: in the loss's ratio by default, or as a truncated importance weight with
+sampler's recorded log-probs: in the loss's ratio by default (its clip range compounded over the steps since
+sampling: ``TrainConfig.off_policy_trust_region``), or as a truncated importance weight with
 ``TrainConfig(off_policy_correction="weight")``; and a stale group's advantages are centred on the reward the
 current adapter expects, not the one its sampler did (``TrainConfig.off_policy_baseline``).
 

@@ -37,8 +37,9 @@ still sample in fp32); ``--prepacked-base-weights`` with ``TrainConfig(prepacked
 default: the base products through oneDNN on pre-packed copies). ``--packed-weights [float32|bfloat16]`` has the
 transformers engine decode through oneDNN on packed weights (``TransformersOptions(packed_weights=...)``: the Ray
 replica's and the in-process engine's) in every arm of those layouts. ``--loss``, ``--off-policy-correction``,
-``--off-policy-baseline`` and ``--tis-cap`` set those ``TrainConfig`` fields for every arm (the correction and
-the baseline change only how stale samples are trained, so the synchronous arm is the same either way; the cap
+``--off-policy-baseline``, ``--off-policy-trust-region`` and ``--tis-cap`` set those ``TrainConfig`` fields for
+every arm (the correction, the baseline and the trust region change only how stale samples are trained, so the
+synchronous arm is the same either way; the cap
 weighs every sample's trainer/sampler ratio, and under ``weight`` it is the stale samples' correction). Each arm's
 row also has ``per_step`` lists of what moves with staleness: ``clip_fraction``, ``ratio_mean``, ``entropy``,
 ``grad_norm``, ``groups_used``, ``stale_baseline_mean``.
@@ -68,7 +69,7 @@ from typing import Any
 
 from art_core import (LocalBackend, LoraSettings, TrainableModel, TrainConfig, TrajectoryGroup, TransformersOptions,
                       pipeline)
-from art_core.config import LossName, OffPolicyBaseline, OffPolicyCorrection
+from art_core.config import LossName, OffPolicyBaseline, OffPolicyCorrection, OffPolicyTrustRegion
 from art_core.demo import AdditionTask, addition_reward, held_out_success, make_tasks
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -122,6 +123,7 @@ async def run_arm(layout: str, bound: int, seed: int, args: argparse.Namespace, 
     config = TrainConfig(learning_rate=args.learning_rate, loss=args.loss,
                          off_policy_correction=args.off_policy_correction, tis_cap=args.tis_cap,
                          off_policy_baseline=args.off_policy_baseline,
+                         off_policy_trust_region=args.off_policy_trust_region,
                          base_matmul_dtype=args.base_matmul_dtype, prepacked_base_weights=args.prepacked_base_weights)
     async with _backend(layout, bound, root, cluster, args.packed_weights) as backend:
         await model.register(backend)
@@ -250,6 +252,9 @@ def main() -> None:
     parser.add_argument("--off-policy-baseline", default=TrainConfig().off_policy_baseline,
                         choices=typing.get_args(OffPolicyBaseline),
                         help="TrainConfig.off_policy_baseline for every arm (only stale groups differ)")
+    parser.add_argument("--off-policy-trust-region", default=TrainConfig().off_policy_trust_region,
+                        choices=typing.get_args(OffPolicyTrustRegion),
+                        help="TrainConfig.off_policy_trust_region for every arm (only stale samples differ)")
     parser.add_argument("--tis-cap", type=float, default=TrainConfig().tis_cap,
                         help="TrainConfig.tis_cap for every arm (default: %(default)s, the library's)")
     parser.add_argument("--base-model", default="smollm2-135m-instruct")

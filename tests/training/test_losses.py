@@ -196,6 +196,44 @@ def test_dapo_off_policy_clip_higher() -> None:
     close(out.stats["clipped_tokens"], 2.0)
 
 
+def test_dapo_stale_sequences_clip_over_their_compounded_range() -> None:
+    # The inputs above, with trust_steps [2, 1]: seq 0 sampled one step before the one training.
+    # seq 0, A = +1, range [0.8^2, 1.28^2] = [0.64, 1.6384], r = [1.5, 0.5, 1.25]
+    #   1.5:  inside now           -> loss -1.5,  grad -1.5
+    #   0.5:  min(0.5, 0.64)       -> loss -0.5,  grad -0.5
+    #   1.25: inside               -> loss -1.25, grad -1.25
+    # seq 1, A = -1, one step's range [0.8, 1.28], as before: 1.5, 0.8 (clipped, grad 0), 1.0
+    # sum -1.5 - 0.5 - 1.25 + 1.5 + 0.8 + 1.0 = 0.05; / num_tokens 6; grads / 6
+    inputs = make_inputs(
+        [[-1.0, -2.0, -0.5], [-0.3, -1.2, -0.7]],
+        log_ratio=[[LN1_5, LN0_5, math.log(1.25)], [LN1_5, math.log(0.7), 0.0]],
+        advantages=[[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]],
+    )
+    inputs.trust_steps = torch.tensor([2.0, 1.0])
+    out, grad = run(DAPOLoss(), inputs)
+    close(out.loss, 0.05 / 6)
+    close(grad, [[-1.5 / 6, -0.5 / 6, -1.25 / 6], [1.5 / 6, 0.0, 1.0 / 6]])
+    close(out.stats["clipped_tokens"], 1.0)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_one_trust_step_per_sequence_is_the_plain_loss(name: str) -> None:
+    loss_fn = build_loss(name, beta=0.1)
+    plain, plain_grad = run(loss_fn, off_policy_batch())
+    inputs = off_policy_batch()
+    inputs.trust_steps = torch.ones(2)
+    ones, ones_grad = run(loss_fn, inputs)
+    torch.testing.assert_close(ones.loss, plain.loss)
+    torch.testing.assert_close(ones_grad, plain_grad)
+
+
+def test_trust_steps_of_the_wrong_shape_are_refused() -> None:
+    inputs = on_policy()
+    inputs.trust_steps = torch.ones(3)
+    with pytest.raises(ConfigError, match=r"trust_steps must be a \[B\] = \(2,\) tensor.*got shape \(3,\)"):
+        DAPOLoss()(inputs)
+
+
 # --------------------------------------------------------------------------------------------
 # GSPO
 # --------------------------------------------------------------------------------------------

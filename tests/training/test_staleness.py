@@ -91,31 +91,37 @@ def _token_logprobs(model, completion: list[int]) -> torch.Tensor:
     return logp[torch.arange(ids.shape[1] - 1), ids[0, 1:]][len(PROMPT) - 1:]
 
 
-def test_a_stale_samples_loss_uses_the_sampler_logprobs_recorded(trainer) -> None:
+@pytest.mark.parametrize(("trust_region", "steps", "clipped_by_hand"), [("fixed", 1, 4 + 3), ("compounded", 3, 0)])
+def test_a_stale_samples_loss_uses_the_sampler_logprobs_recorded(trainer, trust_region, steps,
+                                                                 clipped_by_hand) -> None:
     """DAPO (token mean, clip 1-0.2 .. 1+0.28), advantages centred only, no TIS: worked out with torch from the
     recorded log-probs and a forward pass of the module, then compared with the step's loss, ratio and clip share.
 
     The recorded log-probs sit at offsets from the module's own, so each token's ratio pi/pi_sampler is
-    exp(-offset): 1.5 (clipped above for the positive advantage), 0.7 (clipped below for the negative one), 1.1."""
+    exp(-offset): 1.5, 0.7 and 1.1. The group was sampled 2 steps before the one training. With the ``"fixed"``
+    trust region its range is one step's, [0.8, 1.28]: 1.5 is clipped above for the positive advantage, 0.7 below
+    for the negative one. ``"compounded"`` (the default) spans those 2 steps and this one, [0.8^3, 1.28^3] =
+    [0.512, 2.097]: every token keeps its gradient."""
     offsets = [[-math.log(1.5)] * 4, [-math.log(0.7)] * 3, [-math.log(1.1)] * 5]
     current = [_token_logprobs(trainer.model, c) for c in COMPLETIONS]
     recorded = [(lp + torch.tensor(off)).tolist() for lp, off in zip(current, offsets)]
     config = TrainConfig(learning_rate=1e-9, loss="dapo", advantage_scale="none", tis_cap=None, max_off_policy=2,
-                         off_policy_baseline="sampled")
+                         off_policy_baseline="sampled", off_policy_trust_region=trust_region)
 
-    # By hand: A_i = r_i - mean(r) = (0.5, -0.5, 0); per token -min(r A, clip(r, 0.8, 1.28) A); mean over 12 tokens.
+    # By hand: A_i = r_i - mean(r) = (0.5, -0.5, 0); per token -min(r A, clip(r, lo, hi) A); mean over 12 tokens.
+    lo, hi = 0.8 ** steps, 1.28 ** steps
     mean = sum(REWARDS) / 3
     losses, ratios, clipped = [], [], 0
     for lp, rec, reward in zip(current, recorded, REWARDS):
         ratio = torch.exp(lp - torch.tensor(rec))  # [T_i]
         advantage = reward - mean
-        surrogate = torch.minimum(ratio * advantage, ratio.clamp(0.8, 1.28) * advantage)
-        clipped += int(((ratio.clamp(0.8, 1.28) * advantage) < ratio * advantage).sum())
+        surrogate = torch.minimum(ratio * advantage, ratio.clamp(lo, hi) * advantage)
+        clipped += int(((ratio.clamp(lo, hi) * advantage) < ratio * advantage).sum())
         losses.append(-surrogate)
         ratios.append(ratio)
     tokens = sum(len(c) for c in COMPLETIONS)
     expected_loss = float(torch.cat(losses).sum() / tokens)
-    assert clipped == 4 + 3  # the first two trajectories' tokens: the clipped term won there
+    assert clipped == clipped_by_hand  # fixed: the first two trajectories' tokens, where the clipped term won
 
     metrics = trainer.train_step([_group(1, recorded)], config, policy_step=3)  # sampled 2 steps ago
     assert metrics["groups_staleness_2"] == 1 and metrics["samples_off_policy"] == 3
@@ -187,8 +193,8 @@ def test_a_stale_groups_advantages_are_centred_on_what_the_current_policy_expect
     losses = []
     for lp, rec, reward in zip(current, recorded, REWARDS):
         ratio = torch.exp(lp - torch.tensor(rec))
-        advantage = reward - mean - baseline
-        losses.append(-torch.minimum(ratio * advantage, ratio.clamp(0.8, 1.28) * advantage))
+        advantage = reward - mean - baseline  # the clip range spans the 2 steps since sampling and this one
+        losses.append(-torch.minimum(ratio * advantage, ratio.clamp(0.8 ** 3, 1.28 ** 3) * advantage))
     tokens = sum(len(c) for c in completions)
     expected = float(torch.cat(losses).sum() / tokens)
 

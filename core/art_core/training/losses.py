@@ -16,6 +16,10 @@ Two corrections are shared by all of them and written once below:
                                     min(pi_old / pi_sampler, cap) (Yao et al. 2025)
     KL penalty to the base model    beta * k3(pi_ref || pi), off by default
 
+A stale sequence (sampled n - 1 steps before the one training) may carry ``trust_steps = n``: the clipping losses
+then compound their range over those steps, ``[(1 - eps_low)^n, (1 + eps_high)^n]`` (CISPO's cap is a variance
+bound, not a trust region, and stays as it is).
+
 Normalisers are step-wide (``num_sequences``, ``num_tokens`` count the whole optimizer step), so
 the losses of one step's micro-batches add up to the step's loss and gradient accumulation is a
 plain sum of ``backward()`` calls. Stats are sums for the same reason.
@@ -80,6 +84,10 @@ class LossInputs:
             ``None`` turns truncated importance sampling off.
         ref_logprobs: ``[B, T]`` log-probs under the base model (adapter disabled); needed when
             ``beta > 0``, and used for the ``kl_sum`` stat whenever given.
+        trust_steps: ``[B]`` how many optimizer steps each sequence's clip range spans, at least 1: the
+            clipping losses clip its ratio to ``[(1 - eps_low)^n, (1 + eps_high)^n]``. The trainer passes
+            ``1 + staleness`` for samples trained against an older sampler
+            (``TrainConfig.off_policy_trust_region="compounded"``). ``None``: one step for every sequence.
     """
 
     logprobs: Tensor
@@ -90,6 +98,7 @@ class LossInputs:
     num_tokens: int
     sampler_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
+    trust_steps: Tensor | None = None
 
 
 @dataclass
@@ -180,6 +189,10 @@ def _check_inputs(inputs: LossInputs, *, beta: float) -> None:
         got = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
         raise ConfigError(f"LossInputs tensors must all have the same non-empty [B, T] shape, got {got}")
     batch = want[0]
+    steps = inputs.trust_steps  # its values are not read here: that would wait for the device
+    if steps is not None and tuple(steps.shape) != (batch,):
+        raise ConfigError(f"trust_steps must be a [B] = ({batch},) tensor of step counts (1 + each sequence's "
+                          f"staleness), got shape {tuple(steps.shape)}: pass None for one step each")
     if not _is_int(inputs.num_sequences) or inputs.num_sequences < batch:
         raise ConfigError(
             f"num_sequences must be an int counting every sequence of the optimizer step (>= this "
@@ -233,17 +246,24 @@ def _k3_kl(keep: Tensor, logprobs: Tensor, ref_logprobs: Tensor | None) -> Tenso
     return torch.exp(diff) - diff - 1.0
 
 
-def _clipped_surrogate(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor]:
+def _clipped_surrogate(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float,
+                       steps: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """PPO's pessimistic clipped objective, negated to a loss: -min(r*A, clip(r, 1-lo, 1+hi)*A).
 
-    Works on any shape (tokens ``[B, T]`` or sequences ``[B]``).
+    Works on any shape (tokens ``[B, T]`` or sequences ``[B]``). ``steps`` (``[B]``, ``LossInputs.trust_steps``)
+    compounds each sequence's range over that many steps: ``clip(r, (1-lo)^n, (1+hi)^n)``.
 
     Returns:
         ``(loss, clipped)``: ``clipped`` (bool) marks where the clipped term won, which is
         exactly where the gradient is zero.
     """
     unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages
+    if steps is None:
+        bounded = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    else:
+        n = steps.to(ratio.dtype).reshape(steps.shape + (1,) * (ratio.dim() - 1))  # [B] -> [B, 1] for tokens
+        bounded = torch.clamp(ratio, min=(1.0 - eps_low) ** n, max=(1.0 + eps_high) ** n)
+    clipped = bounded * advantages
     return -torch.minimum(unclipped, clipped), (clipped < unclipped).detach()
 
 
@@ -339,7 +359,7 @@ class GRPOLoss:
     def __call__(self, inputs: LossInputs) -> LossOutput:
         t = _prepare(inputs, beta=self.beta, tis_cap=self.tis_cap)
         ratio = torch.exp(t.log_ratio)  # [B, T]
-        surrogate, clipped = _clipped_surrogate(ratio, t.advantages, self.epsilon, self.epsilon)
+        surrogate, clipped = _clipped_surrogate(ratio, t.advantages, self.epsilon, self.epsilon, inputs.trust_steps)
         per_token = _masked_loss(t, surrogate, self.beta)  # [B, T]
         per_sequence = per_token.sum(dim=-1) / t.count.clamp(min=1.0)  # [B]
         loss = per_sequence.sum() / inputs.num_sequences
@@ -384,7 +404,7 @@ class DrGRPOLoss:
     def __call__(self, inputs: LossInputs) -> LossOutput:
         t = _prepare(inputs, beta=self.beta, tis_cap=self.tis_cap)
         ratio = torch.exp(t.log_ratio)  # [B, T]
-        surrogate, clipped = _clipped_surrogate(ratio, t.advantages, self.epsilon, self.epsilon)
+        surrogate, clipped = _clipped_surrogate(ratio, t.advantages, self.epsilon, self.epsilon, inputs.trust_steps)
         per_token = _masked_loss(t, surrogate, self.beta)  # [B, T]
         loss = per_token.sum() / (inputs.num_sequences * self.max_tokens)
         return LossOutput(loss=loss, stats=_stats(t, ratio, clipped))
@@ -424,7 +444,8 @@ class DAPOLoss:
     def __call__(self, inputs: LossInputs) -> LossOutput:
         t = _prepare(inputs, beta=self.beta, tis_cap=self.tis_cap)
         ratio = torch.exp(t.log_ratio)  # [B, T]
-        surrogate, clipped = _clipped_surrogate(ratio, t.advantages, self.epsilon_low, self.epsilon_high)
+        surrogate, clipped = _clipped_surrogate(ratio, t.advantages, self.epsilon_low, self.epsilon_high,
+                                                inputs.trust_steps)
         per_token = _masked_loss(t, surrogate, self.beta)  # [B, T]
         loss = per_token.sum() / inputs.num_tokens
         return LossOutput(loss=loss, stats=_stats(t, ratio, clipped))
@@ -471,7 +492,8 @@ class GSPOLoss:
         count = t.count.clamp(min=1.0)  # [B]
         seq_ratio = torch.exp(t.log_ratio.sum(dim=-1) / count)  # [B]
         seq_advantage = t.advantages.sum(dim=-1) / count  # [B]
-        surrogate, seq_clipped = _clipped_surrogate(seq_ratio, seq_advantage, self.epsilon_low, self.epsilon_high)
+        surrogate, seq_clipped = _clipped_surrogate(seq_ratio, seq_advantage, self.epsilon_low, self.epsilon_high,
+                                                        inputs.trust_steps)
         seq_weight = torch.where(t.keep, t.is_weight, 0.0).sum(dim=-1) / count  # [B]
         per_sequence = surrogate * seq_weight  # [B]
         if self.beta > 0:
@@ -491,7 +513,8 @@ class CISPOLoss:
     gradient of tokens whose ratio left the trust region, which tends to be the rare "fork"
     tokens (e.g. "However", "Wait") that matter most; CISPO bounds the weight instead. As in the
     paper there is no lower bound on the weight. ``clipped_tokens`` counts tokens whose weight was
-    capped (they still get a gradient).
+    capped (they still get a gradient). ``LossInputs.trust_steps`` leaves the cap as it is: it bounds
+    the variance of a weight, not how far a step goes.
 
     Args:
         epsilon_high: The weight is capped at 1 + epsilon_high. Default 3.0, a cap of 4.0 on the

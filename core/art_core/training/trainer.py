@@ -6,8 +6,9 @@ and the loss of a micro-batch), GRPO's by default. The advantages come before th
 weighs trajectories from their rewards alone: a group it drops is never turned into token samples.
 
 Each sample may carry the log-probs of the policy that sampled it (``Sample.behaviour_logprobs``): the loss's
-importance ratio then corrects for the policy's lag exactly (off-policy data); without them the trainer's own
-detached log-probs stand in (on-policy, ratio 1 in value). With ``TrainConfig(off_policy_correction="weight")``
+importance ratio then corrects for the policy's lag exactly (off-policy data), within a clip range compounded over
+the steps since sampling (``TrainConfig.off_policy_trust_region``); without them the trainer's own detached
+log-probs stand in (on-policy, ratio 1 in value). With ``TrainConfig(off_policy_correction="weight")``
 the ratio is always the on-policy one and the truncated importance weight against the sampler's log-probs
 corrects the lag instead (the decoupled objective). Either way a stale group's advantages are re-centred on the
 reward the current policy expects (``stale_baseline.py``; ``TrainConfig(off_policy_baseline="sampled")`` keeps
@@ -91,6 +92,9 @@ class _Work:
     baselines: StaleBaselines | None = None
     """Stale groups' advantages re-centred on the current policy (``TrainConfig.off_policy_baseline="reweighted"``,
     ``stale_baseline.py``); None: as sampled, or no stale group in the step."""
+    trust_from_step: int | None = None
+    """The policy step a stale sample's clip range is compounded from (``TrainConfig.off_policy_trust_region=
+    "compounded"``: ``1 + staleness`` steps); None: every clip range spans one step."""
 
     @property
     def micro_batches(self) -> int:
@@ -188,7 +192,7 @@ class GRPOTrainer:
             sample_groups = self._samples([groups[i] for i in kept], weights, config, policy_step)
             metrics = _group_metrics(groups, weights, sample_groups, config)
             metrics.update(stale_metrics)
-            work = self._plan(sample_groups, config, sync)
+            work = self._plan(sample_groups, config, sync, policy_step)
             if not work.num_sequences:
                 metrics.update(trained=0.0, seconds_total=time.perf_counter() - t_start)
                 return metrics
@@ -241,7 +245,7 @@ class GRPOTrainer:
         return sample_groups
 
     def _plan(self, sample_groups: list[list[Sample]], config: TrainConfig | SFTConfig,
-              sync: StepSync | None) -> _Work:
+              sync: StepSync | None, policy_step: int | None = None) -> _Work:
         """Count the step's sequences and tokens (over every rank) and plan its micro-batches."""
         samples = [s for g in sample_groups for s in g]
         num_sequences, num_tokens = len(samples), sum(s.num_trained for s in samples)
@@ -258,7 +262,10 @@ class GRPOTrainer:
         if isinstance(config, TrainConfig) and config.off_policy_baseline == "reweighted":
             # an FSDP rank (a sync that plans passes) may add no forward pass: the others would not join it
             baselines = StaleBaselines(samples, plan, extra_pass=not hasattr(sync, "planned")) or None
-        return _Work(samples, plan, num_sequences, num_tokens, ratio_to_sampler, baselines)
+        compounded = (ratio_to_sampler and isinstance(config, TrainConfig)
+                      and config.off_policy_trust_region == "compounded")
+        return _Work(samples, plan, num_sequences, num_tokens, ratio_to_sampler, baselines,
+                     policy_step if compounded else None)
 
     def _accumulate(self, work: _Work, objective: Objective, progress: Progress | None,
                     sync: StepSync | None) -> tuple[StepStats, int]:
@@ -351,7 +358,7 @@ class GRPOTrainer:
             logprobs=out.logprobs, old_logprobs=_old_logprobs(mb, out.logprobs, work.ratio_to_sampler),
             advantages=advantages, mask=mask,
             num_sequences=work.num_sequences, num_tokens=work.num_tokens,
-            sampler_logprobs=sampler, ref_logprobs=ref))
+            sampler_logprobs=sampler, ref_logprobs=ref, trust_steps=_trust_steps(mb, work.trust_from_step, device)))
         result.loss.backward()  # a non-finite loss is caught at the step's sync, before the update
         stats.add(result.loss, result.stats, out.entropy, mask, out.logprobs, sampler)
 
@@ -622,6 +629,16 @@ def _old_logprobs(mb: MicroBatch, logprobs: torch.Tensor, ratio_to_sampler: bool
         return current
     given = mb.behaviour_logprobs.to(current.device)  # [B, T], NaN where not given
     return torch.where(torch.isnan(given), current, given.to(current.dtype))
+
+
+def _trust_steps(mb: MicroBatch, policy_step: int | None, device: torch.device) -> torch.Tensor | None:
+    """``[B]`` the steps each row's clip range spans: 1 + the staleness of a sample trained against its sampler
+    (``TrainConfig.off_policy_trust_region="compounded"``), 1 for the others. None when every row spans one."""
+    if policy_step is None or mb.behaviour_logprobs is None:
+        return None
+    steps = [1 + max(0, policy_step - s.sampling_step)
+             if s.behaviour_logprobs is not None and s.sampling_step is not None else 1 for s in mb.samples]
+    return torch.tensor(steps, dtype=torch.float32).to(device)
 
 
 def _mean(xs: list[float]) -> float:
