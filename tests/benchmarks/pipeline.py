@@ -39,9 +39,8 @@ transformers engine decode through oneDNN on packed weights (``TransformersOptio
 replica's and the in-process engine's) in every arm of those layouts. ``--loss``, ``--off-policy-correction``,
 ``--off-policy-baseline``, ``--off-policy-trust-region`` and ``--tis-cap`` set those ``TrainConfig`` fields for
 every arm (the correction, the baseline and the trust region change only how stale samples are trained, so the
-synchronous arm is the same either way; the cap
-weighs every sample's trainer/sampler ratio, and under ``weight`` it is the stale samples' correction). Each arm's
-row also has ``per_step`` lists of what moves with staleness: ``clip_fraction``, ``ratio_mean``, ``entropy``,
+synchronous arm is the same either way; the cap weighs every sample's trainer/sampler ratio, and under ``weight``
+it is the stale samples' correction). Each arm's row also has ``per_step`` lists of what moves with staleness: ``clip_fraction``, ``ratio_mean``, ``entropy``,
 ``grad_norm``, ``groups_used``, ``stale_baseline_mean``.
 
     python tests/benchmarks/pipeline.py [--layouts ray transformers vllm] [--seeds 0 1 2] [--steps 10]

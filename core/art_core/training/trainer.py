@@ -638,7 +638,7 @@ def _trust_steps(mb: MicroBatch, policy_step: int | None, device: torch.device) 
         return None
     steps = [1 + max(0, policy_step - s.sampling_step)
              if s.behaviour_logprobs is not None and s.sampling_step is not None else 1 for s in mb.samples]
-    return torch.tensor(steps, dtype=torch.float32).to(device)
+    return torch.tensor(steps, dtype=torch.float32, device=device)
 
 
 def _mean(xs: list[float]) -> float:
