@@ -235,8 +235,8 @@ async def test_replicas_take_the_transformers_engine_options(cluster: Any, tiny_
         chat = [{"role": "user", "content": "Hi"}]
         first = await model.sample(chat, n=2, max_tokens=4, temperature=1.0)
         [replica] = (await router.health())["replica_health"]
-        # 2 layers x (q, k, v, o, gate, up, down) x (the base's, LoRA's A and B), and the output embedding
-        linears = 2 * 7 * 3 + 1
+        # 2 layers x (q, k, v, o, gate, up, down), and the output embedding (LoRA's own matrices stay plain)
+        linears = 2 * 7 + 1
         assert replica["packed_layers"] == linears and replica["max_rows"] == 2
         first[0].reward, first[1].reward = 1.0, 0.0
         await model.train([TrajectoryGroup(first)], config=TrainConfig(learning_rate=1e-3))
@@ -244,3 +244,27 @@ async def test_replicas_take_the_transformers_engine_options(cluster: Any, tiny_
         [replica] = (await router.health())["replica_health"]
         assert replica["adapter_step"] == 1 and after.calls[0].adapter_step == 1
         assert replica["packed_layers"] == linears
+
+
+async def test_a_replica_keeps_two_checkpoints_on_disk(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A replica writes each checkpoint it receives to its scratch folder for its engine to read; once the engine
+    serves it, older folders go, the one served just before staying (vLLM may still read it for requests in
+    flight): two on disk at any time, not one per step. ``EngineReplica`` runs in this process here: it is a
+    plain class until ``RayBackend`` wraps it with ``ray.remote``."""
+    from art_core.backends.ray.replicas import EngineReplica, adapter_files
+
+    lora = LoraSettings(rank=4, alpha=8)
+    policy, _ = load_policy(tiny_model_dir, lora, device="cpu")
+    policy.save_pretrained(tmp_path / "checkpoint")
+    files = adapter_files(tmp_path / "checkpoint")
+    scratch = tmp_path / "scratch"
+    replica = EngineReplica(base_dir=str(tiny_model_dir), adapter=files, lora=lora.model_dump(), step=0,
+                            scratch=str(scratch))
+    try:
+        assert await replica.start() == 0
+        for step in (1, 2, 3):
+            assert await replica.load_adapter(files, step) == step
+            assert sorted(p.name for p in scratch.glob("step-*")) == [f"step-{s:04d}" for s in (step - 1, step)]
+    finally:
+        await replica.aclose()
+    assert scratch.is_dir()  # a folder the caller gave is the caller's to remove

@@ -40,8 +40,9 @@ replica's and the in-process engine's) in every arm of those layouts. ``--loss``
 ``--off-policy-baseline``, ``--off-policy-trust-region`` and ``--tis-cap`` set those ``TrainConfig`` fields for
 every arm (the correction, the baseline and the trust region change only how stale samples are trained, so the
 synchronous arm is the same either way; the cap weighs every sample's trainer/sampler ratio, and under ``weight``
-it is the stale samples' correction). Each arm's row also has ``per_step`` lists of what moves with staleness: ``clip_fraction``, ``ratio_mean``, ``entropy``,
-``grad_norm``, ``groups_used``, ``stale_baseline_mean``.
+it is the stale samples' correction). Each arm's row also has ``per_step`` lists of what moves with staleness:
+``clip_fraction``, ``ratio_mean``, ``entropy``, ``grad_norm``, ``groups_used``, ``stale_baseline_mean``, and the
+trainer's own seconds (``seconds_total``, of which ``seconds_prepare`` before the first forward).
 
     python tests/benchmarks/pipeline.py [--layouts ray transformers vllm] [--seeds 0 1 2] [--steps 10]
 
@@ -162,7 +163,7 @@ async def run_arm(layout: str, bound: int, seed: int, args: argparse.Namespace, 
            # per step, what moves with staleness: the trust region's share of tokens, the ratio, the entropy
            "per_step": {key: [round(s.metrics.get(key, math.nan), 4) for s in steps]
                         for key in ("clip_fraction", "ratio_mean", "entropy", "grad_norm", "groups_used",
-                                    "stale_baseline_mean")},
+                                    "stale_baseline_mean", "seconds_total", "seconds_prepare")},
            "adapter_load_s": [round(s.metrics.get("seconds_adapter_load", 0.0), 3) for s in steps]}
     merges = engine_health.get("merge_times")
     if merges and merges["merges"]:  # vLLM on CPU: each checkpoint merged into its weights, requests held meanwhile

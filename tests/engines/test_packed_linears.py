@@ -38,6 +38,12 @@ def _linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
     return [m for m in model.modules() if type(m) is torch.nn.Linear]
 
 
+def _lora_matrices(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """PEFT's LoRA A and B matrices (found by their parameters' names, independently of ``_packed``'s search)."""
+    modules = dict(model.named_modules())
+    return [modules[name.rsplit(".", 1)[0]] for name, _ in model.named_parameters() if "lora_" in name]
+
+
 async def test_packed_decode_samples_what_the_plain_layers_sample(tiny_model_dir):
     packed = await TransformersEngine.from_pretrained(tiny_model_dir, device="cpu", packed_weights=True)
     plain = TransformersEngine(packed.model, packed.tokenizer, packed_weights=False)
@@ -76,17 +82,19 @@ async def test_a_training_step_on_the_shared_model_is_seen_by_the_next_decode(ti
                 logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
             rescored = logp[torch.arange(len(prompt) - 1, ids.shape[1] - 1), ids[0, len(prompt):]]
             assert (rescored - torch.tensor(out.logprobs)).abs().max().item() < 1e-5
-        lora_matrices = sum(1 for name, p in model.named_parameters() if "lora_" in name)
-        assert packed._packed.packs == packs + lora_matrices  # only what the step changed was packed again
+        assert packed._packed.packs == packs  # nothing packed again: the base is unchanged, LoRA's own are plain
+        assert not set(_lora_matrices(model)) & set(packed._packed._packed)
     finally:
         for engine in (base, packed, plain):
             await engine.aclose()
 
 
-async def test_a_checkpoint_swap_re_packs_only_the_adapter(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("pack_adapter", [False, True], ids=["adapter-plain", "adapter-packed"])
+async def test_a_checkpoint_swap_keeps_the_base_packed(tiny_model_dir, tmp_path, pack_adapter):
     """``load_adapter`` of the next checkpoint keeps the base weights' packed copies (a swap copies into the
     adapter's tensors, whose version counters say so) and decodes with the new adapter: rows sampled after the
-    swap score as a fresh load of that checkpoint scores them."""
+    swap score as a fresh load of that checkpoint scores them. LoRA's own matrices are left plain, so nothing is
+    packed again; packed (``pack_adapter=True``, for side-by-side measurements), exactly they are re-packed."""
     from peft import PeftModel
     from test_transformers_engine import _save_adapter
     from transformers import AutoModelForCausalLM
@@ -95,13 +103,16 @@ async def test_a_checkpoint_swap_re_packs_only_the_adapter(tiny_model_dir, tmp_p
         _save_adapter(tiny_model_dir, tmp_path / folder, seed=seed)
     packed = await TransformersEngine.from_pretrained(tiny_model_dir, device="cpu", packed_weights=True,
                                                       adapter_dir=tmp_path / "a", adapter_step=1)
+    packed._packed = PackedLinears(pack_adapter=pack_adapter)
     try:
         _sampled(packed)
         packs = packed._packed.packs
         await packed.load_adapter(tmp_path / "b", step=2)
         outputs = _sampled(packed)
-        lora_matrices = sum(1 for name, _ in packed.model.named_parameters() if "lora_" in name)
-        assert packed._packed.packs == packs + lora_matrices  # the base's copies were kept
+        lora_matrices = _lora_matrices(packed.model)
+        assert len(lora_matrices) == 2 * 2 * 2  # q_proj and v_proj of the tiny model's 2 layers, A and B each
+        assert packed._packed.packs == packs + (len(lora_matrices) if pack_adapter else 0)  # base copies kept
+        assert bool(set(lora_matrices) & set(packed._packed._packed)) == pack_adapter
         fresh = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "b").eval()
         for prompt, out in zip(PROMPTS, outputs, strict=True):
             torch.testing.assert_close(torch.tensor(out.logprobs), _rescored(fresh, prompt, out.token_ids),

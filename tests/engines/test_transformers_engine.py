@@ -146,6 +146,33 @@ async def test_load_adapter_swaps_without_reloading_the_base(engine, tiny_model_
     assert engine.adapter_step == 5  # still serving the last good one
 
 
+def test_a_checkpoint_of_the_served_shape_is_copied_straight_into_its_tensors(tiny_model_dir, tmp_path, monkeypatch):
+    """The next checkpoint goes into the served LoRA tensors themselves, not through PEFT's loader (which walks the
+    whole model): each then holds the checkpoint's values, in the same memory, its version counter bumped (how
+    the engine's packed weight copies learn of the change)."""
+    import peft
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from art_core.engines._adapter_swap import load_into_active_adapter
+
+    for seed, folder in ((0, "a"), (1, "b")):
+        _save_adapter(tiny_model_dir, tmp_path / folder, seed=seed)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "a")
+    served = {name: p for name, p in model.named_parameters() if "lora_" in name}
+    memory = {name: p.data_ptr() for name, p in served.items()}
+    versions = {name: p._version for name, p in served.items()}
+    monkeypatch.setattr(peft, "set_peft_model_state_dict", lambda *a, **k: pytest.fail("PEFT's loader was used"))
+    assert load_into_active_adapter(model, tmp_path / "b")
+    checkpoint = load_file(tmp_path / "b" / "adapter_model.safetensors")
+    assert len(checkpoint) == len(served) > 0
+    for key, value in checkpoint.items():
+        name = key.removesuffix(".weight") + ".default.weight"  # PEFT names a tensor by its adapter in the model
+        assert torch.equal(served[name].detach(), value)
+        assert served[name].data_ptr() == memory[name] and served[name]._version > versions[name]
+
+
 async def test_the_decode_runs_with_the_engines_thread_count_and_follows_a_change(engine):
     """``num_threads`` is the torch thread count of the decode; changed while a loop runs (here by the decode
     thread itself, at a known step), it applies from the next step on; the caller's count is untouched."""

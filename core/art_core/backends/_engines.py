@@ -93,8 +93,9 @@ class TransformersOptions(CheckedSettings):
     by rounding (up to ~4e-5 on SmolLM2-135M, so a seeded request can sample another token). ``"bfloat16"``: the
     copies in bfloat16 but the output embedding's (half the memory; 1.06x faster again on a CPU with native bf16,
     slower without): the engine samples from a bf16 policy, records that policy's log-probs, and the trainer's
-    importance weights correct for the gap. Training is unchanged: the trainer never sees the packed copies, and
-    a LoRA step re-packs only the adapter's matrices."""
+    importance weights correct for the gap. Training is unchanged: the trainer never sees the packed copies.
+    LoRA's own matrices are not packed (thin products gain nothing, and every step changes them), so a training
+    step or a checkpoint re-packs nothing."""
     prefix_cache_mb: int = Field(256, ge=0)
     """Memory for the states of recently prefilled prompts (a prompt seen again skips its prefill); 0: off."""
     max_batch_rows: int = Field(64, ge=1)

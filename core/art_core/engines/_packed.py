@@ -16,17 +16,21 @@ Scope: only while the engine decodes (``PackedLinears.active``, entered and left
 CPU float32 ``nn.Linear`` of the model gets a ``forward`` of its own (an instance attribute, removed on exit),
 so the trainer, which shares the model in ``LocalBackend`` but never runs while the engine decodes (checked:
 ``art_core/_ownership.py``), and anyone else calling the model meanwhile, see plain ``nn.Linear``. A call that
-needs gradients falls back to ``F.linear``. PEFT's LoRA layers call their base layer as a module, so the base weight is packed and the
-adapter's small matrices are packed too (they are re-packed when a training step changes them).
+needs gradients falls back to ``F.linear``. PEFT's LoRA layers call their base layer as a module, so the base
+weight is packed. The adapter's own matrices (PEFT's ``lora_A`` and ``lora_B``) are not: products that thin (r
+rows or columns) gain nothing from a packed layout, and every training step or checkpoint changes all of them, so
+each would be re-packed at every step (420 of them for r=8 on every layer of SmolLM2-135M). Measured side by side
+(``tests/benchmarks/adapter_swap.py``, one thread): the demo's step load decodes in 2.50 s with them plain against
+2.77 s packed, and a checkpoint costs no re-packing.
 
 Staleness: a packed copy is used only while its weight has the storage and the autograd version counter it
 was packed from. Every change made the usual ways bumps the counter or swaps the storage: an optimizer step,
 ``load_state_dict``, ``copy_`` or ``+=`` under ``no_grad``, assigning ``weight.data``. So LoRA training on the
-shared model re-packs only the adapter's matrices, and the base weights (0.4 s to pack for SmolLM2-135M) stay
-packed across training steps. An in-place edit through ``weight.data`` (``weight.data += delta``, as PEFT's
+shared model re-packs nothing (the adapter's matrices are not packed), and the base weights (0.4 s to pack for
+SmolLM2-135M) stay packed across training steps. An in-place edit through ``weight.data`` (``weight.data += delta``, as PEFT's
 ``merge_adapter`` does) bypasses the counter: code that edits served weights that way must call
 ``TransformersEngine.weights_changed()``. ``load_adapter`` needs no such call: it copies into the adapter's tensors
-(a version bump) or adds modules of its own, so a checkpoint swap re-packs only the adapter's matrices.
+(a version bump) or adds modules of its own, so the base's packed copies stay valid across a checkpoint swap.
 
 Results: oneDNN sums in a different order than MKL, so a log-prob moves by rounding. On the tiny test model
 that is ~1e-6; on SmolLM2-135M (8 seeded rows x 64 tokens) up to 3.5e-5, and 2 rows of 8 sampled a different
@@ -95,6 +99,17 @@ def _packable(module: torch.nn.Module) -> bool:
             and "forward" not in module.__dict__)
 
 
+def _adapter_matrices(model: torch.nn.Module) -> set[torch.nn.Module]:
+    """PEFT LoRA's own matrices: each adapted layer's ``lora_A`` and ``lora_B`` modules (left unpacked)."""
+    found: set[torch.nn.Module] = set()
+    for module in model.modules():
+        for name in ("lora_A", "lora_B"):
+            matrices = getattr(module, name, None)
+            if isinstance(matrices, torch.nn.ModuleDict):
+                found.update(matrices.values())
+    return found
+
+
 def _fingerprint(weight: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
     """What must be unchanged for a packed copy to be used: storage, autograd version, shape."""
     return weight.data_ptr(), weight._version, tuple(weight.shape)
@@ -104,14 +119,20 @@ class PackedLinears:
     """oneDNN-packed copies of a model's linear weights, and the scope in which the model uses them.
 
     Blocking calls (packing reorders the weight): run them on the decode thread, never on the event loop.
+
+    Args:
+        dtype: the packed copies' dtype (see ``dtype`` below).
+        pack_adapter: pack LoRA's own matrices too (default False: see the module's docstring; True is kept to
+            measure the difference side by side).
     """
 
-    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32, *, pack_adapter: bool = False) -> None:
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"PackedLinears packs weights in float32 or bfloat16, not {dtype}")
         self.dtype = dtype
         """The packed copies' dtype: float32, or bfloat16 (every linear layer but the output embedding: see the
         module's docstring)."""
+        self.pack_adapter = pack_adapter
         # module -> (what its weight and the dtype were when packed, the packed copy)
         self._packed: dict[torch.nn.Linear, tuple[Any, BaseWeight]] = {}
         self.packs = 0
@@ -139,7 +160,8 @@ class PackedLinears:
         if not packing_available():
             yield
             return
-        linears = [m for m in model.modules() if _packable(m)]
+        adapter = set() if self.pack_adapter else _adapter_matrices(model)
+        linears = [m for m in model.modules() if _packable(m) and m not in adapter]
         present = set(linears)
         for gone in [m for m in self._packed if m not in present]:
             del self._packed[gone]

@@ -134,8 +134,19 @@ class EngineReplica:
         return await self.engine.generate(prompt_token_ids, params)
 
     async def load_adapter(self, files: dict[str, bytes], step: int) -> int:
-        """Hot-load adapter ``files`` as checkpoint ``step`` (no base reload). Returns the step now served."""
-        await self.engine.load_adapter(self._write(files, step), step)
+        """Hot-load adapter ``files`` as checkpoint ``step`` (no base reload). Returns the step now served.
+
+        The files are written under the scratch folder for the engine to read; once it serves them, the folders
+        of older checkpoints are removed (all but the one served just before, which vLLM may still read for
+        requests in flight), so a long run keeps two checkpoints on the replica's disk, not one per step.
+        """
+        folder = self._write(files, step)
+        await self.engine.load_adapter(folder, step)
+        keep = {folder, self._adapter_dir}
+        self._adapter_dir = folder
+        for old in self._scratch.glob("step-*"):
+            if old not in keep:
+                shutil.rmtree(old, ignore_errors=True)
         return self.engine.adapter_step
 
     async def adapter_step(self) -> int:
