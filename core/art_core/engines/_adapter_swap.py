@@ -11,6 +11,7 @@ not through ``set_peft_model_state_dict``, whose ``load_state_dict`` walks the w
 37 ms of CPU a checkpoint instead of 69 ms on one core (``tests/benchmarks/adapter_swap.py``). A copy bumps each
 tensor's version counter, which is how the engine's packed weight copies see the change (``engines/_packed.py``).
 """
+
 from __future__ import annotations
 
 import json

@@ -27,9 +27,9 @@ Staleness: a packed copy is used only while its weight has the storage and the a
 was packed from. Every change made the usual ways bumps the counter or swaps the storage: an optimizer step,
 ``load_state_dict``, ``copy_`` or ``+=`` under ``no_grad``, assigning ``weight.data``. So LoRA training on the
 shared model re-packs nothing (the adapter's matrices are not packed), and the base weights (0.4 s to pack for
-SmolLM2-135M) stay packed across training steps. An in-place edit through ``weight.data`` (``weight.data += delta``, as PEFT's
-``merge_adapter`` does) bypasses the counter: code that edits served weights that way must call
-``TransformersEngine.weights_changed()``. ``load_adapter`` needs no such call: it copies into the adapter's tensors
+SmolLM2-135M) stay packed across training steps. An in-place edit through ``weight.data`` (``weight.data +=
+delta``, as PEFT's ``merge_adapter`` does) bypasses the counter: code that edits served weights that way must
+call ``TransformersEngine.weights_changed()``. ``load_adapter`` needs no such call: it copies into the adapter's tensors
 (a version bump) or adds modules of its own, so the base's packed copies stay valid across a checkpoint swap.
 
 Results: oneDNN sums in a different order than MKL, so a log-prob moves by rounding. On the tiny test model
