@@ -94,7 +94,7 @@ async def test_a_checkpoint_swap_keeps_the_base_packed(tiny_model_dir, tmp_path,
     """``load_adapter`` of the next checkpoint keeps the base weights' packed copies (a swap copies into the
     adapter's tensors, whose version counters say so) and decodes with the new adapter: rows sampled after the
     swap score as a fresh load of that checkpoint scores them. LoRA's own matrices are left plain, so nothing is
-    packed again; packed (``pack_adapter=True``, for side-by-side measurements), exactly they are re-packed."""
+    packed again; with them packed (``pack_adapter=True``, for side-by-side measurements), exactly those are."""
     from peft import PeftModel
     from test_transformers_engine import _save_adapter
     from transformers import AutoModelForCausalLM
