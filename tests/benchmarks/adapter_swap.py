@@ -3,7 +3,8 @@
 The engine of a Ray replica, or of ``LocalBackend`` serving during steps, takes every checkpoint of a run: one
 copy of the adapter's weights into the adapter it serves, then decoding with them. Measured on SmolLM2-135M with
 the default ``LoraSettings`` (r=8 on every linear layer: 420 matrices) and one torch thread, a replica's share in
-the benchmarks' Ray layout:
+the benchmarks' Ray layout. The checkpoints are two random adapters of that shape (``tests/random_adapters.py``),
+served in turn:
 
 (a) The copy (``engines/_adapter_swap.py``): straight into the tensors PEFT's ``get_peft_model_state_dict`` views
     (now) against PEFT's ``set_peft_model_state_dict`` on the same checkpoint (before). CPU ms per checkpoint,
@@ -27,6 +28,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,22 +44,10 @@ from art_core.engines.transformers import TransformersEngine
 from art_core.models import resolve_base_model
 from art_core.training.loading import load_policy
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the random adapters the suite uses
+from random_adapters import ALL_LINEAR, write_random_adapter  # noqa: E402
+
 QUESTIONS, ANSWERS, TOKENS = 4, 8, 12
-
-
-def _checkpoints(policy: Any, folder: Path) -> list[Path]:
-    """Two checkpoints of the served adapter with different weights (the second perturbed from the first)."""
-    paths = [folder / "a", folder / "b"]
-    policy.save_pretrained(paths[0])
-    with torch.no_grad():
-        saved = [p.clone() for n, p in policy.named_parameters() if "lora_" in n]
-        for name, p in policy.named_parameters():
-            if "lora_" in name:
-                p.add_(0.01 * torch.randn_like(p))
-        policy.save_pretrained(paths[1])
-        for p, old in zip((p for n, p in policy.named_parameters() if "lora_" in n), saved, strict=True):
-            p.copy_(old)
-    return paths
 
 
 def _cpu_ms(fn: Any) -> float:
@@ -89,10 +79,13 @@ async def _decode(engine: TransformersEngine, tokenizer: Any, first: int) -> flo
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
-    policy, tokenizer = load_policy(resolve_base_model(args.base_model), LoraSettings(), device="cpu")
-    policy.eval()
+    base, lora = resolve_base_model(args.base_model), LoraSettings()
     folder = Path(tempfile.mkdtemp(prefix="art-swap-bench-"))
-    checkpoints = _checkpoints(policy, folder)
+    # Two checkpoints of one adapter's shape (the default LoraSettings), with different weights; the first served.
+    checkpoints = [write_random_adapter(base, folder / name, targets=ALL_LINEAR, seed=seed, r=lora.rank,
+                                        lora_alpha=lora.alpha) for seed, name in ((0, "a"), (1, "b"))]
+    policy, tokenizer = load_policy(base, lora, device="cpu", adapter_dir=checkpoints[0])
+    policy.eval()
     swap: dict[str, list[float]] = {"copy": [], "peft": []}
     for r in range(args.rounds * 4):
         path = checkpoints[r % 2]

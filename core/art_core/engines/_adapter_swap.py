@@ -8,7 +8,7 @@ names and shapes) and otherwise changes nothing and returns False, for the calle
 
 The copy goes straight into the tensors PEFT's ``get_peft_model_state_dict`` names (views of the parameters),
 not through ``set_peft_model_state_dict``, whose ``load_state_dict`` walks the whole model for 420 small tensors:
-37 ms of CPU a checkpoint instead of 69 ms on one core (``tests/benchmarks/adapter_swap.py``). A copy bumps each
+50 ms of CPU a checkpoint instead of 90 ms on one core (``tests/benchmarks/adapter_swap.py``). A copy bumps each
 tensor's version counter, which is how the engine's packed weight copies see the change (``engines/_packed.py``).
 """
 

@@ -20,8 +20,8 @@ needs gradients falls back to ``F.linear``. PEFT's LoRA layers call their base l
 weight is packed. The adapter's own matrices (PEFT's ``lora_A`` and ``lora_B``) are not: products that thin (r
 rows or columns) gain nothing from a packed layout, and every training step or checkpoint changes all of them, so
 each would be re-packed at every step (420 of them for r=8 on every layer of SmolLM2-135M). Measured side by side
-(``tests/benchmarks/adapter_swap.py``, one thread): the demo's step load decodes in 2.50 s with them plain against
-2.77 s packed, and a checkpoint costs no re-packing.
+(``tests/benchmarks/adapter_swap.py``, one thread): the demo's step load decodes in 2.73 s with them plain against
+3.11 s packed, and a checkpoint costs no re-packing.
 
 Staleness: a packed copy is used only while its weight has the storage and the autograd version counter it
 was packed from. Every change made the usual ways bumps the counter or swaps the storage: an optimizer step,
