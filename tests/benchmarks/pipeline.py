@@ -42,7 +42,10 @@ every arm (the correction, the baseline and the trust region change only how sta
 synchronous arm is the same either way; the cap weighs every sample's trainer/sampler ratio, and under ``weight``
 it is the stale samples' correction). Each arm's row also has ``per_step`` lists of what moves with staleness:
 ``clip_fraction``, ``ratio_mean``, ``entropy``, ``grad_norm``, ``groups_used``, ``stale_baseline_mean``, and the
-trainer's own seconds (``seconds_total``, of which ``seconds_prepare`` before the first forward).
+trainer's own seconds (``seconds_total``, of which ``seconds_prepare`` before the first forward); their sum is the
+row's ``trainer_seconds``, printed against the arm's wall time (in a pipelined arm the difference is the first
+step's rollouts plus what each step spends outside the trainer's ``train_step``: its checkpoint, the transfers, waiting
+for groups).
 
     python tests/benchmarks/pipeline.py [--layouts ray transformers vllm] [--seeds 0 1 2] [--steps 10]
 
@@ -165,6 +168,9 @@ async def run_arm(layout: str, bound: int, seed: int, args: argparse.Namespace, 
                         for key in ("clip_fraction", "ratio_mean", "entropy", "grad_norm", "groups_used",
                                     "stale_baseline_mean", "seconds_total", "seconds_prepare")},
            "adapter_load_s": [round(s.metrics.get("seconds_adapter_load", 0.0), 3) for s in steps]}
+    # the trainer's own seconds (its train_step calls) against the wall: in a pipelined arm the rest is the first
+    # step's rollouts and what each step spends outside train_step (its checkpoint, the transfers, waiting)
+    row["trainer_seconds"] = sum(s.metrics.get("seconds_total", 0.0) for s in steps)
     merges = engine_health.get("merge_times")
     if merges and merges["merges"]:  # vLLM on CPU: each checkpoint merged into its weights, requests held meanwhile
         row["merge_pause_s"] = {k.removeprefix("seconds_"): round(v / merges["merges"], 3)
@@ -172,7 +178,7 @@ async def run_arm(layout: str, bound: int, seed: int, args: argparse.Namespace, 
     print(f"{layout:12s} m={bound} seed {seed}: {row['seconds_per_step']:.1f} s/step, "
           f"{row['trajectories_per_minute']:.1f} trajectories/min, both at once {row['overlap']:.0%}, "
           f"staleness {row['staleness_mean']:.2f}, {row['groups_stale']} stale, "
-          f"held-out {before:.1%} -> {after:.1%}, "
+          f"held-out {before:.1%} -> {after:.1%}, trainer's own {row['trainer_seconds']:.1f} s of {wall:.1f} s, "
           f"publishing a checkpoint {statistics.fmean(row['adapter_load_s']):.2f} s"
           + (" (vLLM held requests {held:.2f} s a merge: {draining:.2f} s for those in flight, {merging:.2f} s "
              "reloading)".format(**row["merge_pause_s"]) if "merge_pause_s" in row else ""), flush=True)
