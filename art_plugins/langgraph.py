@@ -190,7 +190,8 @@ class TrainableGraph:
 
         ``seed`` seeds the group: each rollout gets its own seed derived from it (see ``rollout``), so the
         rollouts differ from each other and the same group can be sampled again. Default: unseeded.
-        A rollout that fails is left out and listed in ``group.exceptions``, not raised.
+        A rollout that fails is left out and listed in ``group.exceptions``, not raised. Every rollout gets the
+        same ``config``: with a checkpointer they share its ``thread_id`` (give each its own to keep them apart).
         """
         return await gather_group(n, lambda rollout_seed: self.rollout(input, reward=reward, config=config,
                                                                        method=method, seed=rollout_seed), seed=seed)

@@ -10,7 +10,8 @@
 ``run`` takes ``Runner.run``'s arguments and returns its ``RunResult`` beside the run as a scored
 trajectory; ``run_streamed`` is ``Runner.run_streamed`` (read ``stream_events()``, then
 ``await streamed.wait()``). To drive the SDK yourself, open ``runner.capture()`` and pass its
-``run_config()`` to ``Runner.run``.
+``run_config()`` to ``Runner.run``. A run the agent's own code starts during a run (a guardrail's checker
+agent, a tool that runs an agent) takes ``run_config=current_run_config()`` to reach the trainable model too.
 
 How the agent's calls reach the gateway, with the agent's code unchanged:
 
@@ -58,7 +59,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
-from contextvars import Token
+from contextvars import ContextVar, Token
 from types import AsyncGeneratorType, TracebackType
 from typing import Any, cast
 
@@ -108,12 +109,33 @@ from ._agents_sdk import (  # noqa: E402  (after the SDK's own import check abov
 )
 
 
-__all__ = ["AgentCapture", "NoTrainableCallsError", "StreamedRun", "TrainableRunner"]
+__all__ = ["AgentCapture", "NoTrainableCallsError", "StreamedRun", "TrainableRunner", "current_run_config"]
 
 logger = logging.getLogger(__name__)
 
 RunInput = str | list[TResponseInputItem] | RunState[Any]
 """What ``Runner.run`` takes as ``input``: a user message, input items, or a paused run's state."""
+
+_current_capture: ContextVar[AgentCapture | None] = ContextVar("art_plugins_current_capture", default=None)
+
+
+def current_run_config(base: RunConfig | dict[str, Any] | None = None) -> RunConfig | dict[str, Any] | None:
+    """The ``run_config`` for a run that an agent's own code starts inside a captured run, or ``base`` outside one.
+
+    The SDK hands a run's ``RunConfig`` to nothing the run's tools or guardrails start themselves: a guardrail
+    that checks the input with an agent of its own (``await Runner.run(checker, input)``, as the SDK's guardrail
+    docs show) or a tool that runs one would reach its model through the SDK's default provider, not the trainable
+    model (no API key: an error; a real key and a name in ``model_names``: a silent call to OpenAI, untrained).
+    Pass this instead: ``await Runner.run(checker, input, run_config=current_run_config())``. Inside a run of
+    ``TrainableRunner`` (or a ``capture()``) the nested run's calls to the trainable model go to the rollout's
+    gateway and join the trajectory as another history (caller: the nested agent's name); anywhere else it
+    returns ``base`` unchanged (None: ``Runner.run``'s default), so the agent runs as before outside training.
+
+    Args:
+        base: the nested run's own configuration. Default: ``RunConfig()``.
+    """
+    capture = _current_capture.get()
+    return base if capture is None else capture.run_config(base)
 
 
 class TrainableRunner:
@@ -349,10 +371,12 @@ class AgentCapture:
         self._handled_stop: str | None = None
         self._providers: list[_GatewayProvider] = []
         self._label_token: Token[str | None] | None = None
+        self._capture_token: Token[AgentCapture | None] | None = None
 
     async def __aenter__(self) -> AgentCapture:
         self.scope.__enter__()
         self._label_token = _calling_agent.set(None)
+        self._capture_token = _current_capture.set(self)
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -360,6 +384,9 @@ class AgentCapture:
         if self._label_token is not None:
             _calling_agent.reset(self._label_token)
             self._label_token = None
+        if self._capture_token is not None:
+            _current_capture.reset(self._capture_token)
+            self._capture_token = None
         await self.scope.__aexit__(exc_type, exc, tb)
         await self._close_providers()
 

@@ -62,6 +62,21 @@ def test_sibling_choices_are_branches_not_continuations():
     assert len(trajectory.histories()) == 2
 
 
+def test_the_main_history_holds_the_choice_the_agent_continued_when_the_last_call_sampled_several():
+    # LangChain's ChatOpenAI(n=2) and the SDKs read choice 0; the run ended in its context, not in the sibling's.
+    records = [record(1, [SYSTEM, USER], CALL), record(1, [SYSTEM, USER], ANSWER, choice_index=1)]
+    trajectory = trajectory_from_records(records)
+    assert trajectory.messages[-1].tool_calls and [c.request_id for c in trajectory.calls] == ["req-1"]
+    (sibling,) = trajectory.additional_histories
+    assert sibling.messages[-1].text() == ANSWER["content"]
+
+
+def test_a_sibling_is_main_only_when_the_first_choice_sampled_nothing():
+    cut = record(1, [SYSTEM, USER], CALL).model_copy(update={"completion_token_ids": [], "logprobs": []})
+    trajectory = trajectory_from_records([cut, record(1, [SYSTEM, USER], ANSWER, choice_index=1)])
+    assert trajectory.messages[-1].text() == ANSWER["content"] and trajectory.additional_histories == []
+
+
 def test_no_records_is_a_clear_error():
     with pytest.raises(TrajectoryError, match="no call to the trainable model"):
         trajectory_from_records([])

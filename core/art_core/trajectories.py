@@ -7,8 +7,10 @@ new user turn) belongs to the same history. A call that does not continue any (t
 summarised its messages, a handoff gave another agent a fresh context, a second LLM node keeps its own
 context) starts a new history, so no history is ever a splice of two contexts.
 
-The main history is the one that holds the last call (the context the run ended in); the others become
-``additional_histories``. Every call keeps its token-exact ``CallRecord``, so training needs no re-rendering.
+The main history is the one that holds the last call (the context the run ended in); when that call sampled
+several choices (``n > 1``), the one holding its first choice, which is the one agent frameworks read and act on.
+The others become ``additional_histories``. Every call keeps its token-exact ``CallRecord``, so training needs no
+re-rendering.
 """
 
 from __future__ import annotations
@@ -41,14 +43,21 @@ def trajectory_from_records(records: Sequence[ExchangeRecord], **fields: Any) ->
     if not records:
         raise TrajectoryError("no records to build a trajectory from: the rollout made no call to the trainable model "
                               "that sampled a token")
+    first_choice: dict[str, int] = {}  # each request's lowest choice that sampled a token
+    for record in records:
+        first_choice[record.request_id] = min(record.choice_index, first_choice.get(record.request_id, 1 << 30))
     histories: list[_Open] = []
     last: _Open | None = None
     for record in records:
         if not record.messages:
             raise TrajectoryError(f"record {record.request_id} holds no conversation (written by an older gateway); "
                                   "re-run the rollout against this version")
-        last = _place(record.messages, record.tools, record.reply, histories, branch=record.choice_index > 0,
-                      call=record.to_call_record())
+        placed = _place(record.messages, record.tools, record.reply, histories, branch=record.choice_index > 0,
+                        call=record.to_call_record())
+        # A sibling choice (n > 1) never becomes the main history: LangChain and the SDKs continue choice 0, so the
+        # run ended in its context (a sibling stands in only when choice 0 sampled nothing and was dropped above).
+        if record.choice_index == first_choice[record.request_id]:
+            last = placed
     assert last is not None
     main = last.history()
     others = [h.history() for h in histories if h is not last]

@@ -206,6 +206,34 @@ def test_tools_beside_a_response_format_allow_a_call_or_the_answer(tiny_model_di
     assert sampling_params(none, GatewaySettings(model_name="tiny")).grammar is None  # no tools: the schema alone
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_a_forced_call_beside_a_response_format_gets_calls_only(tiny_model_dir, tool_choice):
+    """The Agents SDK sends ``tool_choice="required"`` with the ``response_format`` of an agent's ``output_type``
+    (it resets the choice after the call); OpenAI accepts the pair, and so does the gateway: this reply is a call,
+    and the format shapes a later text reply. It answered 400 before."""
+    from transformers import AutoTokenizer
+
+    from art_core.engines._structured import JsonSchemaGuide
+    from art_core.gateway.parsing import sampling_params
+    from art_core.gateway.schemas import ChatCompletionRequest
+
+    request = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS,
+               "tool_choice": tool_choice, "response_format": {"type": "json_schema", "json_schema": {
+                   "name": "answer", "schema": ANSWER}}}
+    params = sampling_params(ChatCompletionRequest.model_validate(request), GatewaySettings(model_name="tiny"))
+    assert params.json_schema is None and params.grammar is not None
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    guide = JsonSchemaGuide(tokenizer, vocab_size=len(tokenizer), stop_ids=[tokenizer.eos_token_id])
+    matcher = guide.matcher(grammar=params.grammar)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+    assert all(matcher.consume_token(t) for t in tokenizer.encode(call, add_special_tokens=False))
+    assert matcher.is_accepting()
+    answer = guide.matcher(grammar=params.grammar)
+    assert not all(answer.consume_token(t) for t in tokenizer.encode('{"department": "billing"}',
+                                                                      add_special_tokens=False))
+
+
 @pytest.mark.parametrize("extra", [{"tool_choice": "required"},
                                    {"response_format": {"type": "json_object"}}], ids=["required", "beside_a_format"])
 def test_parallel_tool_calls_false_allows_one_call(tiny_model_dir, extra):

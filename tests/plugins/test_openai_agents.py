@@ -46,7 +46,7 @@ from art_core import LocalBackend, TrainableModel, TrajectoryGroup
 from art_core.errors import ConfigError
 from art_core.training.trainer import ZeroVarianceGroupsWarning
 from art_plugins import _routing
-from art_plugins.openai_agents import NoTrainableCallsError, TrainableRunner
+from art_plugins.openai_agents import NoTrainableCallsError, TrainableRunner, current_run_config
 
 from scripted_model import Conversation, call, fit_scripted_model, say, tool_result
 
@@ -423,6 +423,30 @@ async def test_guardrails(model: TrainableModel):
     with pytest.raises(InputGuardrailTripwireTriggered):
         await TrainableRunner(model).run(calculator().clone(input_guardrails=[no_questions]), "What is 3 + 4?")
     assert not _routing.installed()
+
+
+async def test_a_guardrail_that_runs_its_own_agent_reaches_the_trainable_model(model: TrainableModel):
+    """The SDK's guardrail docs run a checker agent inside the guardrail with ``Runner.run``; the SDK gives that
+    run none of the outer run's configuration, so without ``current_run_config()`` it went to the SDK's default
+    provider (here: "Missing credentials")."""
+    checked: list[Any] = []
+
+    @input_guardrail(run_in_parallel=False)
+    async def graded(ctx: RunContextWrapper[Any], agent: Agent[Any], text: Any) -> GuardrailFunctionOutput:
+        result = await Runner.run(grader(), "What is 6 * 7?", run_config=current_run_config())
+        checked.append(result.final_output)
+        return GuardrailFunctionOutput(output_info=None, tripwire_triggered=result.final_output != Answer(answer=42))
+
+    result, trajectory = await TrainableRunner(model).run(calculator().clone(input_guardrails=[graded]),
+                                                          "What is 3 + 4?")
+    assert checked == [Answer(answer=42)] and result is not None and result.final_output == "3 + 4 = 7."
+    assert shape(trajectory)[-1] == ("assistant", "3 + 4 = 7.", [])  # the outer agent's history stays main
+    (nested,) = trajectory.additional_histories
+    assert [c.caller for c in nested.calls] == ["Grader"] and nested.messages[-1].text() == '{"answer": 42}'
+    assert_token_exact(model, trajectory)
+    # Outside a captured run it hands back what it was given: the agent runs as it did before training.
+    base = RunConfig(workflow_name="checks")
+    assert current_run_config() is None and current_run_config(base) is base
 
 
 async def test_timeout_keeps_the_trajectory(model: TrainableModel):

@@ -126,9 +126,6 @@ def completion_input(body: ChatCompletionRequest, raw: dict[str, Any], settings:
         caller: the ``X-Art-Caller`` label, if any.
         seed: the ``X-Art-Seed`` header's seed, used when the body names no ``seed``.
         tools: the chat-format tool schemas as sent. Default: ``raw["tools"]``.
-
-    Raises:
-        APIError: 400 for ``tool_choice`` combined with ``response_format`` (see ``sampling_params``).
     """
     if body.model_extra:
         logger.debug("ignoring unknown request fields: %s", sorted(body.model_extra))
@@ -153,19 +150,14 @@ def sampling_params(body: ChatCompletionRequest, settings: GatewaySettings, *,
         body: the request.
         settings: the gateway's settings (the default and largest completion lengths).
         seed: the seed to sample with when the body names none (the ``X-Art-Seed`` header). Default: None.
-
-    Raises:
-        APIError: 400 for ``tool_choice`` combined with ``response_format``.
     """
     asked, _ = chat_max_tokens(body)
     json_schema, grammar = None, None
     one_or_more = body.parallel_tool_calls is not False  # False: at most one call, as OpenAI's models honour it
     if body.tools and (body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice)):
-        if body.response_format is not None and body.response_format.type != "text":
-            raise APIError(400, "tool_choice 'required' or a named function cannot be combined with response_format "
-                           f"{body.response_format.type!r}: the reply is a tool call; drop one of the two",
-                           param="tool_choice", code="invalid_request")
-        # Enforced by constrained decoding: the completion is Hermes tool-call blocks, as the template teaches.
+        # Enforced by constrained decoding: the completion is Hermes tool-call blocks, as the template teaches. A
+        # response_format beside it shapes a later text reply, not this one (OpenAI accepts the pair: the Agents SDK
+        # sends it for an agent with an output_type and tool_choice="required", resetting the choice after the call).
         tools = [(t.function.name, t.function.parameters) for t in body.tools]
         if isinstance(body.tool_choice, NamedToolChoice):
             tools = [t for t in tools if t[0] == body.tool_choice.function.name]
