@@ -236,9 +236,19 @@ async def _run(graph: Any, input: Any, config: dict[str, Any], method: Method, p
         async for state in graph.astream(input, config, stream_mode="values"):
             progress.state = state
     else:
+        interrupts = None
         async for event in graph.astream_events(input, config, version="v2"):
-            if event["event"] == "on_chain_end" and not event.get("parent_ids"):
+            if event.get("parent_ids"):
+                continue
+            if event["event"] == "on_chain_stream":  # an interrupt() reaches the root only as a stream chunk
+                chunk = event["data"].get("chunk")
+                if isinstance(chunk, dict) and "__interrupt__" in chunk:
+                    interrupts = chunk["__interrupt__"]
+            elif event["event"] == "on_chain_end":
                 progress.state = event["data"].get("output")
+                # The other methods' final state carries the interrupts; the root's end event leaves them out.
+                if interrupts is not None and isinstance(progress.state, dict):
+                    progress.state = {**progress.state, "__interrupt__": interrupts}
 
 
 async def _in_own_thread(fn: Callable[..., Any], *args: Any) -> Any:

@@ -20,9 +20,11 @@ from langchain_core.messages import AnyMessage, SystemMessage
 from langchain_core.tools import tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_openai import ChatOpenAI
+from langgraph.checkpoint.memory import MemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import add_messages
 from langgraph.prebuilt import ToolNode, create_react_agent, tools_condition
+from langgraph.types import interrupt
 
 from art_core import LocalBackend, TrainableModel
 from art_core.engines.transformers import TransformersEngine
@@ -262,6 +264,27 @@ async def test_a_trimmed_context_becomes_an_additional_history(model):
 async def test_every_run_method_is_captured(model, method):
     trajectory = await trainable(react_graph(), model).rollout(REACT_INPUT, method=method)
     assert len(trajectory.calls) == 3
+    assert trajectory.final_state["messages"][-1].content == "The answer is 14."
+
+
+@pytest.mark.parametrize("method", ["invoke", "ainvoke", "astream", "astream_events"])
+async def test_an_interrupted_run_says_so_in_its_final_state_whatever_the_method(model, method):
+    """A human-in-the-loop graph (``interrupt()`` after the agent): a reward reads ``__interrupt__`` from the final
+    state, which ``astream_events``'s root end event leaves out (LangGraph sends it only as a stream chunk)."""
+    agent_graph = react_graph()
+
+    def solve(state: State) -> dict[str, Any]:  # sync, so that every method (invoke too) can run the graph
+        return {"messages": agent_graph.invoke({"messages": state["messages"]})["messages"]}
+
+    def confirm(state: State) -> dict[str, Any]:
+        return {"route": interrupt("Send this answer?")}
+
+    builder = StateGraph(State).add_sequence([solve, confirm])  # nodes named after the functions
+    graph = builder.add_edge(START, "solve").compile(checkpointer=MemorySaver())
+    trajectory = await trainable(graph, model).rollout(
+        REACT_INPUT, method=method, config={"configurable": {"thread_id": uuid.uuid4().hex}})
+    assert len(trajectory.calls) == 3 and trajectory.messages[-1].text() == "The answer is 14."
+    assert [i.value for i in trajectory.final_state["__interrupt__"]] == ["Send this answer?"]
     assert trajectory.final_state["messages"][-1].content == "The answer is 14."
 
 
