@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -129,6 +131,38 @@ TOOLS = [
         "required": ["city", "days"], "additionalProperties": False}}},
     {"type": "function", "function": {"name": "ping", "parameters": {}}},
 ]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+
+
+class Grammar:
+    """Feeds text, as the tiny model's tokens, to llguidance's matcher for a request's grammar."""
+
+    def __init__(self, tiny_model_dir: Path) -> None:
+        from transformers import AutoTokenizer
+
+        from art_core.engines._structured import JsonSchemaGuide
+
+        self.tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+        self.guide = JsonSchemaGuide(self.tokenizer, vocab_size=len(self.tokenizer),
+                                     stop_ids=[self.tokenizer.eos_token_id])
+
+    def takes(self, grammar: str, text: str) -> bool:
+        """Every token of ``text`` is allowed (it may stop short of a complete reply)."""
+        return self._feed(grammar, text)[0]
+
+    def accepts(self, grammar: str, text: str) -> bool:
+        """``text`` is a complete reply the grammar allows."""
+        taken, matcher = self._feed(grammar, text)
+        return taken and matcher.is_accepting()
+
+    def _feed(self, grammar: str, text: str) -> tuple[bool, Any]:
+        matcher = self.guide.matcher(grammar=grammar)
+        return all(matcher.consume_token(t) for t in self.tokenizer.encode(text, add_special_tokens=False)), matcher
+
+
+@pytest.fixture(scope="module")
+def grammar(tiny_model_dir: Path) -> Grammar:
+    return Grammar(tiny_model_dir)
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
@@ -174,13 +208,10 @@ ANSWER = {"type": "object", "properties": {"department": {"enum": ["billing", "t
 @pytest.mark.parametrize("response_format", [
     {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}, {"type": "json_object"}],
     ids=["json_schema", "json_object"])
-def test_tools_beside_a_response_format_allow_a_call_or_the_answer(tiny_model_dir, response_format):
+def test_tools_beside_a_response_format_allow_a_call_or_the_answer(grammar, response_format):
     """``tool_choice`` "auto" with a ``response_format``, as the Agents SDK sends for an agent with tools and an
     ``output_type``: the reply may call the tools or give the structured answer. Constraining it to the schema
     alone left the tools uncallable (no lookup call in 72 runs of examples/agents_sdk_support)."""
-    from transformers import AutoTokenizer
-
-    from art_core.engines._structured import JsonSchemaGuide
     from art_core.gateway.parsing import sampling_params
     from art_core.gateway.schemas import ChatCompletionRequest
 
@@ -189,15 +220,11 @@ def test_tools_beside_a_response_format_allow_a_call_or_the_answer(tiny_model_di
     body = ChatCompletionRequest.model_validate(request)
     params = sampling_params(body, GatewaySettings(model_name="tiny"))
     assert params.json_schema is None and params.grammar is not None
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    guide = JsonSchemaGuide(tokenizer, vocab_size=len(tokenizer), stop_ids=[tokenizer.eos_token_id])
 
     def accepts(text: str) -> bool:
-        matcher = guide.matcher(grammar=params.grammar)
-        return all(matcher.consume_token(t) for t in tokenizer.encode(text, add_special_tokens=False)) and \
-            matcher.is_accepting()
+        return grammar.accepts(params.grammar, text)
 
-    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+    call = CALL
     assert accepts(call) and accepts(call + "\n" + call.replace("Oslo", "Paris"))
     assert accepts('{"department": "billing"}')
     assert not accepts("Hello there")  # neither a call nor the answer
@@ -208,13 +235,10 @@ def test_tools_beside_a_response_format_allow_a_call_or_the_answer(tiny_model_di
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
                          ids=["required", "named"])
-def test_a_forced_call_beside_a_response_format_gets_calls_only(tiny_model_dir, tool_choice):
+def test_a_forced_call_beside_a_response_format_gets_calls_only(grammar, tool_choice):
     """The Agents SDK sends ``tool_choice="required"`` with the ``response_format`` of an agent's ``output_type``
     (it resets the choice after the call); OpenAI accepts the pair, and so does the gateway: this reply is a call,
     and the format shapes a later text reply. It answered 400 before."""
-    from transformers import AutoTokenizer
-
-    from art_core.engines._structured import JsonSchemaGuide
     from art_core.gateway.parsing import sampling_params
     from art_core.gateway.schemas import ChatCompletionRequest
 
@@ -223,41 +247,27 @@ def test_a_forced_call_beside_a_response_format_gets_calls_only(tiny_model_dir, 
                    "name": "answer", "schema": ANSWER}}}
     params = sampling_params(ChatCompletionRequest.model_validate(request), GatewaySettings(model_name="tiny"))
     assert params.json_schema is None and params.grammar is not None
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    guide = JsonSchemaGuide(tokenizer, vocab_size=len(tokenizer), stop_ids=[tokenizer.eos_token_id])
-    matcher = guide.matcher(grammar=params.grammar)
-    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
-    assert all(matcher.consume_token(t) for t in tokenizer.encode(call, add_special_tokens=False))
-    assert matcher.is_accepting()
-    answer = guide.matcher(grammar=params.grammar)
-    assert not all(answer.consume_token(t) for t in tokenizer.encode('{"department": "billing"}',
-                                                                      add_special_tokens=False))
+    assert grammar.accepts(params.grammar, CALL)
+    assert not grammar.takes(params.grammar, '{"department": "billing"}')
 
 
 @pytest.mark.parametrize("extra", [{"tool_choice": "required"},
                                    {"response_format": {"type": "json_object"}}], ids=["required", "beside_a_format"])
-def test_parallel_tool_calls_false_allows_one_call(tiny_model_dir, extra):
+def test_parallel_tool_calls_false_allows_one_call(grammar, extra):
     """``parallel_tool_calls: false`` (the Agents SDK's ``ModelSettings(parallel_tool_calls=False)``): one call at
     most. A small model given "one or more" went on writing calls until its token limit (examples/agents_sdk_support's
     triage: two handoffs and a third cut at 64 tokens, which the SDK then refuses as an incomplete response)."""
-    from transformers import AutoTokenizer
-
-    from art_core.engines._structured import JsonSchemaGuide
     from art_core.gateway.parsing import sampling_params
     from art_core.gateway.schemas import ChatCompletionRequest
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    guide = JsonSchemaGuide(tokenizer, vocab_size=len(tokenizer), stop_ids=[tokenizer.eos_token_id])
-    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+    call = CALL
     two = call + "\n" + call.replace("Oslo", "Paris")
 
     def accepts(parallel: bool | None, text: str) -> bool:
         request = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS, **extra,
                    **({} if parallel is None else {"parallel_tool_calls": parallel})}
         params = sampling_params(ChatCompletionRequest.model_validate(request), GatewaySettings(model_name="tiny"))
-        matcher = guide.matcher(grammar=params.grammar)
-        return all(matcher.consume_token(t) for t in tokenizer.encode(text, add_special_tokens=False)) and \
-            matcher.is_accepting()
+        return grammar.accepts(params.grammar, text)
 
     assert accepts(False, call) and not accepts(False, two)
     assert accepts(None, two) and accepts(True, two)  # unset: one or more, as before
