@@ -129,8 +129,24 @@ class RolloutScope:
             self._exit(exc_type, exc, tb)
         finally:
             explained = self.explained(exc) if exc is not None else None
+            if explained is not None:
+                self._note_unrouted_models(explained)
             if explained is not None and explained is not exc:
                 raise explained from exc
+
+    def _note_unrouted_models(self, error: BaseException) -> None:
+        """Note on ``error`` the models this rollout's calls named that were not routed to the gateway. A chat model
+        that names the trainable model otherwise than ``model_names`` fails with its own endpoint's error (a refused
+        connection, a missing key), which never says that the call did not reach the gateway."""
+        others = {name: count for name, count in self.route.models_seen.items() if name not in self.route.model_names}
+        note = f"art-plugins: rollout {self.rollout_id} "
+        if not others or not isinstance(error, Exception) or any(
+                n.startswith(note) for n in getattr(error, "__notes__", ())):
+            return
+        seen = ", ".join(f"{name!r} ({count}x)" for name, count in others.items())
+        error.add_note(f"{note}made calls naming models that are not routed to the trainable model (they went to "
+                       f"their own endpoints): {seen}; routed names: {sorted(self.route.model_names)}. If the error "
+                       "came from such a call and it means the trainable model, pass model_names=[...] naming it")
 
     def explained(self, error: BaseException) -> BaseException:
         """``error`` (what ended the run), or, when the teacher failed a call of this rollout in demonstration

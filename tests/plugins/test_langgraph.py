@@ -15,6 +15,7 @@ from typing import Annotated, Any, TypedDict
 
 import httpx
 import httpx2
+import openai
 import pytest
 from langchain_core.messages import AnyMessage, SystemMessage
 from langchain_core.tools import tool
@@ -354,6 +355,27 @@ async def test_a_graph_that_never_calls_the_trainable_model_is_a_clear_error(mod
                 await trainable(graph, model).rollout({"messages": [("user", "Hello, Ada!")]})
     finally:
         await engine.aclose()
+
+
+async def test_a_failed_call_to_an_unrouted_model_says_it_was_not_routed(model):
+    # The user's chat model names the trainable model "gpt-4o-mini" and no model_names says so: the call goes to
+    # its own endpoint (here nothing listens) and the agent's error alone would not say it never reached the gateway.
+    unrouted = ChatOpenAI(model="gpt-4o-mini", base_url=_nowhere(), api_key="unused", max_tokens=8, max_retries=0)
+    with pytest.raises(openai.APIConnectionError) as caught:
+        await trainable(create_react_agent(unrouted, [add]), model).rollout(REACT_INPUT)
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert f"'gpt-4o-mini' (1x); routed names: [{model.name!r}]" in notes and "model_names=[...]" in notes
+
+    agent_graph = react_graph()
+
+    def solve_then_fail(state: State) -> dict[str, Any]:
+        agent_graph.invoke({"messages": state["messages"]})  # its three calls are all routed
+        raise ValueError("a node's own bug")
+
+    graph = StateGraph(State).add_node(solve_then_fail).add_edge(START, "solve_then_fail").compile()
+    with pytest.raises(ValueError, match="a node's own bug") as caught:  # no unrouted call: nothing to add
+        await trainable(graph, model).rollout(REACT_INPUT)
+    assert not [n for n in getattr(caught.value, "__notes__", []) if "art-plugins" in n]  # LangGraph adds its own
 
 
 async def test_a_reward_function_that_raises_is_recorded_and_the_group_goes_on(model):

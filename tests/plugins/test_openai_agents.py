@@ -39,7 +39,7 @@ from agents.handoffs import Handoff
 from agents.models.openai_chatcompletions import OpenAIChatCompletionsModel
 from agents.models.openai_responses import OpenAIResponsesModel
 from agents.testing import ScriptedModel, assistant_message
-from openai import AsyncOpenAI
+from openai import APIConnectionError, AsyncOpenAI
 from pydantic import BaseModel
 
 from art_core import LocalBackend, TrainableModel, TrajectoryGroup
@@ -477,6 +477,18 @@ async def test_a_run_that_never_calls_the_trainable_model(model: TrainableModel)
     hosted = Agent(name="Hosted", model=ScriptedModel([[assistant_message("Hi.")]]))  # any model that is not ours
     with pytest.raises(NoTrainableCallsError, match="never called the trainable model"):
         await TrainableRunner(model).run(hosted, "Hello")
+    assert not _routing.installed()
+
+
+async def test_a_failed_call_to_an_unrouted_model_says_it_was_not_routed(model: TrainableModel):
+    # An agent with its own model object whose name the runner was not told (no model_names=["gpt-4o-mini"]):
+    # the call goes to that client's endpoint, where nothing listens.
+    own = OpenAIChatCompletionsModel(model="gpt-4o-mini", openai_client=AsyncOpenAI(
+        base_url=UNREACHABLE, api_key="unused", max_retries=0))
+    with pytest.raises(APIConnectionError) as caught:
+        await TrainableRunner(model).run(calculator(own), "What is 3 + 4?")
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert f"'gpt-4o-mini' (1x); routed names: [{MODEL!r}]" in notes and "model_names=[...]" in notes
     assert not _routing.installed()
 
 
