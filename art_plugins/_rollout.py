@@ -497,7 +497,13 @@ async def gather_group(n: int, rollout: Callable[[int | None], Awaitable[Traject
     for result in results:
         if isinstance(result, BaseException) and not isinstance(result, Exception):
             raise result
-    errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)]
+    errors = [_described(r) for r in results if isinstance(r, BaseException)]
     for message in errors:
         logger.warning("a rollout of the group failed: %s", message)
     return TrajectoryGroup([r for r in results if isinstance(r, Trajectory)], exceptions=errors)
+
+
+def _described(error: BaseException) -> str:
+    """``error`` as one entry of ``TrajectoryGroup.exceptions``: its type, message and notes (ours name unrouted
+    models, LangGraph's the node that failed)."""
+    return "\n".join([f"{type(error).__name__}: {error}", *getattr(error, "__notes__", ())])

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from art_core import LocalBackend, TrainableModel, TrainConfig, TrajectoryError, TrajectoryGroup, pipeline
+from art_core import (LocalBackend, RolloutError, TrainableModel, TrainConfig, TrajectoryError, TrajectoryGroup,
+                      pipeline)
 from art_core._cpu import onednn_packing_available
 from art_core.backends import TransformersOptions
 
@@ -205,6 +206,29 @@ async def test_a_failed_rollout_is_counted_and_the_pipeline_goes_on(model: Train
     assert [s.rollouts_failed for s in report.steps] == [1, 0]
     assert str(report.failures[0]) == "the agent crashed"
     assert "1 rollout(s) failed" in report.steps[0].line()
+
+
+async def test_rollouts_that_keep_failing_stop_the_pipeline_with_the_last_failure(model: TrainableModel) -> None:
+    calls = itertools.count(1)
+
+    async def typo(task: int) -> TrajectoryGroup:  # every rollout fails: without a limit the pipeline spun forever
+        next(calls)
+        raise TypeError("sample() got an unexpected keyword argument 'max_token'")
+
+    with pytest.raises(RolloutError, match=r"5 rollouts failed in a row.*'max_token'.*max_failures_in_a_row=") as caught:
+        await pipeline(model, itertools.cycle([0]), typo, steps=1, groups_per_step=1, concurrency=2,
+                       max_failures_in_a_row=5, config=CONFIG, log=None)
+    assert isinstance(caught.value.__cause__, TypeError) and model.step == 0
+    assert next(calls) <= 5 + 2 + 1  # it stopped: at most the rollouts in flight at the fifth failure ran after it
+
+    async def every_other(task: int) -> TrajectoryGroup:  # a success in between resets the count
+        if task % 2 == 0:
+            raise RuntimeError("a flaky tool")
+        return await _play_sample(model)
+
+    report = await pipeline(model, itertools.count(), every_other, steps=2, groups_per_step=1, max_off_policy=0,
+                            concurrency=1, max_failures_in_a_row=2, config=CONFIG, log=None)
+    assert model.step == 2 and report.rollouts_failed == 2
 
 
 async def test_a_failed_step_stops_the_pipeline_with_its_trajectories_on_disk(model: TrainableModel) -> None:

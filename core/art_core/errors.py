@@ -12,6 +12,7 @@
     │   └── ModelNotRegisteredError  a backend (or server) was asked about a model it has not registered
     ├── RewardError              a group could not be scored (empty group, a reward function failed)
     │   └── JudgeError           an LLM judge was unreachable, or its answer stayed malformed after repairs
+    ├── RolloutError             rollouts keep failing: the pipeline stopped (the last failure is the cause)
     └── ServerError              the training server (``art-core serve``) failed a call in a way no class above names
         └── ServerUnavailableError   the server cannot be reached (down, restarting, wrong URL)
 
@@ -32,6 +33,7 @@ __all__ = [
     "LifecycleError",
     "ModelNotRegisteredError",
     "RewardError",
+    "RolloutError",
     "ServerError",
     "ServerUnavailableError",
     "TrainingError",
@@ -86,6 +88,11 @@ class RewardError(ArtError, RuntimeError):
 
 class JudgeError(RewardError):
     """An LLM judge was unreachable, refused the request, or answered malformed output even after repairs."""
+
+
+class RolloutError(ArtError, RuntimeError):
+    """Rollouts keep failing, none succeeding in between: ``pipeline`` stopped rather than retry forever (the last
+    failure is the ``__cause__``)."""
 
 
 class ServerError(ArtError, RuntimeError):

@@ -305,7 +305,13 @@ class TrainableModel:
         """Sample ``n`` replies to a chat in process, each as a Trajectory with its token-exact record.
 
         Agents reach the model through the gateway; this is the direct path for simple tasks and tests.
+
+        Raises:
+            ConfigError: ``n`` or ``max_tokens`` is not an int >= 1 (before anything is sent).
         """
+        for name, value in (("n", n), ("max_tokens", max_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"sample({name}={value!r}): give an int >= 1")
         return await self.backend.sample(self.spec, list(messages), n=n, max_tokens=max_tokens,
                                          temperature=temperature, tools=tools, seed=seed)
 

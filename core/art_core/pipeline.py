@@ -30,7 +30,9 @@ While the first rollouts run, the trainer makes what its first step would make a
 ``base_matmul_dtype`` ask for), so that step runs as fast as the later ones.
 
 **Nothing is lost.** Each step writes its groups to disk before training (as ``model.train`` always does). A rollout
-that raises (or returns an empty group) is counted and the pipeline goes on. A step that raises stops the
+that raises (or returns an empty group) is counted and the pipeline goes on; when ``max_failures_in_a_row``
+rollouts fail with none succeeding in between (a typo in ``play``, a model name the adapter does not route, a
+server down), it stops with a ``RolloutError`` whose cause is the last failure, instead of retrying forever. A step that raises stops the
 pipeline with that error, after cancelling the rollouts in flight; its trajectories stay on disk. Cancelling the
 pipeline (Ctrl-C) cancels the rollouts in flight and lets the steps already handed to the backend finish (the one
 training, and the next one when it is queued behind it), so no checkpoint or history row is left half-written.
@@ -48,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .config import TrainConfig
-from .errors import ConfigError
+from .errors import ConfigError, RolloutError
 from .training.staleness import group_sampling_step
 from .types import TrajectoryGroup
 
@@ -174,7 +176,8 @@ async def pipeline(model: TrainableModel, tasks: Iterable[T], play: Callable[[T]
                    steps: int, groups_per_step: int, max_off_policy: int = 1, concurrency: int = 4,
                    config: TrainConfig | None = None,
                    log: Callable[[str], None] | None = print,
-                   on_step: Callable[[StepReport, list[TrajectoryGroup]], None] | None = None) -> PipelineReport:
+                   on_step: Callable[[StepReport, list[TrajectoryGroup]], None] | None = None,
+                   max_failures_in_a_row: int | None = None) -> PipelineReport:
     """Roll out ``tasks`` continuously and train ``steps`` steps on the groups as they are ready.
 
     Args:
@@ -190,29 +193,37 @@ async def pipeline(model: TrainableModel, tasks: Iterable[T], play: Callable[[T]
         log: gets one progress line per step (``StepReport.line``); None: silent. Default ``print``.
         on_step: called after each step with its report and the groups it was given (stalest first), e.g. to
             plot or log them; the pipeline itself keeps no group after its step.
+        max_failures_in_a_row: rollouts that may fail one after another, none succeeding, before the pipeline
+            stops with a ``RolloutError``. Default: ``max(20, 2 * concurrency)``.
 
     Returns:
         A ``PipelineReport``.
 
     Raises:
         ConfigError: a count is below 1 or ``max_off_policy`` is negative (before any rollout).
+        RolloutError: ``max_failures_in_a_row`` rollouts failed in a row (the steps already handed to the backend
+            finished first); the last failure is its ``__cause__``.
         Exception: what a step raised; the pipeline stopped there, that step's trajectories are on disk.
         asyncio.CancelledError: the pipeline was cancelled (a step in progress finished first).
     """
+    if max_failures_in_a_row is None:
+        max_failures_in_a_row = max(20, 2 * concurrency) if isinstance(concurrency, int) else 20
     for name, value, low in (("steps", steps, 1), ("groups_per_step", groups_per_step, 1),
-                             ("concurrency", concurrency, 1), ("max_off_policy", max_off_policy, 0)):
+                             ("concurrency", concurrency, 1), ("max_off_policy", max_off_policy, 0),
+                             ("max_failures_in_a_row", max_failures_in_a_row, 1)):
         if not isinstance(value, int) or value < low:
             raise ConfigError(f"pipeline({name}={value!r}): give an int >= {low}")
     settings = (config or TrainConfig()).model_copy(update={"max_off_policy": max_off_policy})
     return await _Pipeline(model, iter(tasks), play, steps, groups_per_step, max_off_policy, concurrency, settings,
-                           log, on_step).run()
+                           log, on_step, max_failures_in_a_row).run()
 
 
 class _Pipeline(Generic[T]):
     def __init__(self, model: TrainableModel, tasks: Iterator[T], play: Callable[[T], Awaitable[TrajectoryGroup]],
                  steps: int, groups_per_step: int, max_off_policy: int, concurrency: int, config: TrainConfig,
                  log: Callable[[str], None] | None,
-                 on_step: Callable[[StepReport, list[TrajectoryGroup]], None] | None) -> None:
+                 on_step: Callable[[StepReport, list[TrajectoryGroup]], None] | None,
+                 max_failures_in_a_row: int) -> None:
         self.model, self.tasks, self.play, self.steps = model, tasks, play, steps
         self.per_step, self.bound, self.concurrency, self.config, self.log = (groups_per_step, max_off_policy,
                                                                               concurrency, config, log)
@@ -225,6 +236,9 @@ class _Pipeline(Generic[T]):
         self.admitted = 0  # rollouts started that still count toward a step (failed and stale ones do not)
         self.done_steps = 0
         self.failed_since_step = 0
+        self.max_failures_in_a_row = max_failures_in_a_row
+        self.failed_in_a_row = 0  # rollouts failed since the last one that succeeded
+        self.gave_up: RolloutError | None = None  # set when that count reaches the limit: run() raises it
         self.started = 0  # rollouts started, in order: a ready group's place among equally stale ones
         self.exhausted = False
         self.prepared: asyncio.Task[None] | None = None  # the trainer's preparation (run), awaited by each step
@@ -248,6 +262,8 @@ class _Pipeline(Generic[T]):
                     break  # no task left and too few groups for another step
                 self.changed.clear()
                 await self.changed.wait()
+                if self.gave_up is not None:
+                    raise self.gave_up
                 while steps and steps[0].done():
                     steps.pop(0).result()  # a failed step stops the pipeline with its error
         except BaseException:
@@ -289,14 +305,25 @@ class _Pipeline(Generic[T]):
             try:
                 group = await self.play(task)
                 if len(group) == 0:
-                    raise ValueError(f"every rollout of the group failed ({len(group.exceptions)} exception(s))")
+                    first = f"; the first: {group.exceptions[0]}" if group.exceptions else ""
+                    raise ValueError(f"every rollout of the group failed ({len(group.exceptions)} exception(s)"
+                                     f"{first})")
             except Exception as exc:  # counted, reported, and replaced by the next task
                 self.admitted -= 1
                 self.failed_since_step += 1
                 self.report.rollouts_failed += 1
                 if len(self.report.failures) < 20:
                     self.report.failures.append(exc)
+                self.failed_in_a_row += 1
+                if self.failed_in_a_row >= self.max_failures_in_a_row and self.gave_up is None:
+                    self.gave_up = RolloutError(
+                        f"pipeline: {self.failed_in_a_row} rollouts failed in a row, none succeeding in between "
+                        f"({self.report.rollouts_failed} failed in all, {self.done_steps} step(s) done); the last: "
+                        f"{type(exc).__name__}: {exc}. Fix play() or what it calls (its traceback is the cause "
+                        f"below), or raise max_failures_in_a_row= if such failures pass")
+                    self.gave_up.__cause__ = exc
                 return
+        self.failed_in_a_row = 0
         self.ready.append(_Ready(group, order))
 
     async def _step(self, groups: list[TrajectoryGroup]) -> None:

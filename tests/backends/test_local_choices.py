@@ -54,6 +54,13 @@ def test_gateway_settings_are_checked_at_construction(tmp_path):
         LocalBackend(path=tmp_path, default_max_tokens=0)
 
 
+async def test_sample_refuses_a_count_below_one_before_sending():
+    model = TrainableModel(name="unsent")  # never registered: the check comes before the backend is asked
+    for bad, name in (({"n": 0}, "n=0"), ({"max_tokens": 0}, "max_tokens=0"), ({"n": 2.0}, "n=2.0")):
+        with pytest.raises(ConfigError, match=rf"sample\({name}\): give an int >= 1"):
+            await model.sample([{"role": "user", "content": "hi"}], **bad)
+
+
 async def test_gateway_settings_pass_through(tiny_model_dir, tmp_path):
     model = TrainableModel(name="passed", base_model=tiny_model_dir)
     async with LocalBackend(path=tmp_path, api_key="secret", default_max_tokens=5, max_tokens_limit=40,

@@ -365,6 +365,8 @@ async def test_a_failed_call_to_an_unrouted_model_says_it_was_not_routed(model):
         await trainable(create_react_agent(unrouted, [add]), model).rollout(REACT_INPUT)
     notes = "\n".join(getattr(caught.value, "__notes__", []))
     assert f"'gpt-4o-mini' (1x); routed names: [{model.name!r}]" in notes and "model_names=[...]" in notes
+    group = await trainable(create_react_agent(unrouted, [add]), model).group(REACT_INPUT, n=2, reward=lambda t, s: 1.0)
+    assert len(group) == 0 and all("'gpt-4o-mini' (1x); routed names:" in error for error in group.exceptions)
 
     agent_graph = react_graph()
 

@@ -29,6 +29,7 @@ from art_core import (
     TrajectoryError,
     TrajectoryGroup,
 )
+from art_core.training.advantages import ZeroVarianceGroupsWarning
 from art_core.wire import API_PREFIX, RolloutStatus
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -198,6 +199,17 @@ async def test_remote_backend_contract(server: Server, tiny_model_dir):
             await backend.register(TrainableModel(name="contract", project="api", base_model="/elsewhere").spec)
 
 
+async def test_a_remote_step_that_drops_groups_warns_at_the_callers_line(server: Server, tiny_model_dir):
+    model = TrainableModel(name="warned", project="api", base_model=tiny_model_dir)
+    async with RemoteBackend(server.url, token=TOKEN, show_progress=False) as backend:
+        await model.register(backend)
+        flat = TrajectoryGroup(t.model_copy(update={"reward": 1.0}) for t in _group(20))
+        with pytest.warns(ZeroVarianceGroupsWarning, match=r"1 of 2 group\(s\) had equal rewards .*\[1\]") as caught:
+            metrics = await model.train([_group(21), flat], config=TrainConfig(learning_rate=1e-2))
+        assert metrics["groups_dropped"] == 1 and model.step == 1
+        assert {w.filename for w in caught} == {__file__}  # this line, as with a LocalBackend, not the server's
+
+
 async def test_wrong_token_and_unreachable_server(server: Server, tiny_model_dir):
     model = TrainableModel(name="nope", base_model=tiny_model_dir)
     with pytest.raises(ConfigError, match="refused the token"):
@@ -206,6 +218,27 @@ async def test_wrong_token_and_unreachable_server(server: Server, tiny_model_dir
         await TrainableModel(name="nope").register(RemoteBackend("http://127.0.0.1:9", token=TOKEN))
     with pytest.raises(ConfigError, match="not an http"):
         RemoteBackend("gpu-box:7999")
+    with pytest.raises(ConfigError, match=r"ends with /v1: give the server's own address .* \(http://127\.0\.0\.1:7999\)"):
+        RemoteBackend("http://127.0.0.1:7999/v1/")
+
+
+async def test_a_server_that_does_not_answer_in_time_is_not_called_unreachable():
+    release = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await release.wait()  # takes the connection, never answers
+        writer.close()
+
+    listener = await asyncio.start_server(silent, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+    try:
+        with pytest.raises(ServerUnavailableError, match=r"did not answer .*within timeout=0\.2 s \(ReadTimeout\).*"
+                                                          r"RemoteBackend\(url, timeout=\.\.\.\)"):
+            await TrainableModel(name="slow").register(RemoteBackend(url, token=TOKEN, timeout=0.2))
+    finally:
+        release.set()
+        listener.close()
+        await listener.wait_closed()
 
 
 def test_refuses_an_exposed_host_without_a_token(tmp_path):

@@ -334,8 +334,7 @@ def _warn_dropped_groups(groups: list[TrajectoryGroup], config: TrainConfig | SF
         kept = [i for i in kept if i not in set(found.stale)]
     if not metrics.get("groups_dropped"):
         return
-    from ..training.advantages import compute_group_advantages
-    from ..training.trainer import ZeroVarianceGroupsWarning
+    from ..training.advantages import ZeroVarianceGroupsWarning, compute_group_advantages
 
     flat = compute_group_advantages([groups[i].rewards for i in kept], scale="none").dropped_groups
     dropped = [kept[i] for i in flat]

@@ -49,6 +49,7 @@ from ..types import Trajectory, TrajectoryGroup
 from ._http import LoopClient
 from ._tables import ModelTable
 from ._progress import progress_bar
+from ._steps import _warn_dropped_groups
 from .base import ModelSpec, Progress, TrainResult
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ class RemoteBackend:
         compress_above: gzip train bodies larger than this many bytes, unless the server is on loopback.
 
     Raises:
-        ConfigError: ``url`` is not an http(s) URL.
+        ConfigError: ``url`` is not an http(s) URL, or is an OpenAI-style base URL (ending with ``/v1``).
     """
 
     def __init__(self, url: str, *, token: str | None = None, timeout: float = 60.0, reconnect_for: float = 120.0,
@@ -90,6 +91,10 @@ class RemoteBackend:
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"RemoteBackend url {url!r} is not an http(s) URL: give the address `art-core serve` "
                               "printed, e.g. http://gpu-box:7999")
+        if parts.path.rstrip("/").endswith("/v1"):  # an OpenAI-style base URL, copied from an agent's config
+            raise ConfigError(f"RemoteBackend url {url!r} ends with /v1: give the server's own address as `art-core "
+                              f"serve` printed it ({parts.scheme}://{parts.netloc}); the backend finds each model's "
+                              "OpenAI-compatible /v1 URL on the server itself")
         self.url = url.rstrip("/")
         self.token = token if token is not None else os.environ.get("ART_SERVER_TOKEN") or None
         self.timeout = timeout
@@ -202,6 +207,9 @@ class RemoteBackend:
                         elif kind == "result":
                             result = TrainResult.model_validate(data)
                             self._models.add(model, registered.model_copy(update={"step": result.step}))
+                            # The server warned in its own process: warn here too, at the user's train line.
+                            policy_step = result.step - 1 if result.metrics.get("trained") else result.step
+                            _warn_dropped_groups(list(groups), config, policy_step, result.metrics)
                             return result
                         elif kind == "error":
                             raise error_from_wire(ErrorBody.model_validate(data))
@@ -320,6 +328,11 @@ class RemoteBackend:
 
     def _unavailable(self, exc: Exception, *, during: str | None = None) -> ServerUnavailableError:
         what = f" during {during}" if during else ""
+        if isinstance(exc, (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout)):  # reached, but no answer
+            return ServerUnavailableError(
+                f"the training server at {self.url} did not answer{what} within timeout={self.timeout:g} s "
+                f"({type(exc).__name__}): it may be busy (its first sample loads the engine; a loaded CPU is slow), "
+                "so give it longer with RemoteBackend(url, timeout=...)")
         return ServerUnavailableError(
             f"the training server at {self.url} cannot be reached{what} ({type(exc).__name__}: {exc or 'no answer'}): "
             "check that `art-core serve` runs there and the URL and port are right")

@@ -30,7 +30,12 @@ from typing import Literal, get_args
 
 from ..errors import ConfigError, TrajectoryError
 
-__all__ = ["AdvantageScale", "GroupAdvantages", "compute_group_advantages"]
+__all__ = ["AdvantageScale", "GroupAdvantages", "ZeroVarianceGroupsWarning", "compute_group_advantages"]
+
+
+class ZeroVarianceGroupsWarning(UserWarning):
+    """Some groups had equal rewards for every trajectory: they carry no signal and were dropped."""
+
 
 AdvantageScale = Literal["group", "batch", "none"]
 """What the centred rewards are divided by: the group's std, the batch's std, or nothing."""

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from .._ownership import module_ownership
+from .advantages import ZeroVarianceGroupsWarning  # re-exported; defined without torch (clients warn too)
 from ..config import SFTConfig, TrainConfig
 from ..errors import ConfigError, TrainingError, TrajectoryError
 from ..types import Trajectory, TrajectoryGroup
@@ -59,10 +60,6 @@ __all__ = ["GRPOTrainer", "StaleGroupsWarning", "ZeroVarianceGroupsWarning", "ch
 
 StepMetrics = dict[str, float]
 Progress = Callable[[int, int], None]
-
-
-class ZeroVarianceGroupsWarning(UserWarning):
-    """Some groups had equal rewards for every trajectory: they carry no signal and were dropped."""
 
 
 def check_config(config: TrainConfig | SFTConfig) -> None:
