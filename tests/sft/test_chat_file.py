@@ -67,6 +67,10 @@ def test_every_problem_is_named_with_its_line_before_any_work(tmp_path):
         {"messages": PLAIN_CHAT["messages"], "functions": []},          # 10
         {"messages": PLAIN_CHAT["messages"], "extra": 1},               # 11
         {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0.5}]},  # 12
+        {**TOOL_CHAT, "messages": [m for m in TOOL_CHAT["messages"] if m["role"] != "tool"]},   # 13: unanswered
+        {"messages": [{"role": "assistant", "content": "Hi!"}, *PLAIN_CHAT["messages"]]},       # 14
+        {**TOOL_CHAT, "messages": [*TOOL_CHAT["messages"][:4], TOOL_CHAT["messages"][2],  # 15: an id used twice
+                                   TOOL_CHAT["messages"][3], TOOL_CHAT["messages"][4]]},
     ]
     with pytest.raises(ChatFileError) as caught:
         read_chat_file(write(tmp_path, *lines))
@@ -77,11 +81,21 @@ def test_every_problem_is_named_with_its_line_before_any_work(tmp_path):
         5: "has role 'robot'", 6: "arguments are not valid JSON", 7: "calls 'delete_all', which the example's tools",
         8: "answers tool_call_id 'x', which no earlier assistant turn made", 9: "no assistant message to learn from",
         10: '"functions" is the legacy format', 11: "unknown key 'extra'", 12: "has weight 0.5",
+        13: "messages[2] (assistant) tool call 'c1' has no tool result before messages[3] (assistant): add a "
+            '{"role": "tool", "tool_call_id": "c1"',
+        14: "messages[0] (assistant) is the first message, with nothing before it to prompt it",
+        15: "tool_calls[0] reuses the id 'c1' of an earlier call",
     }
     for line, text in expected.items():
         assert any(p.startswith(f"line {line}: ") and text in p for p in error.problems), (line, text, message)
     assert not any(p.startswith("line 1: ") for p in error.problems)
     assert "fix them and run again" in message and str(tmp_path / "chats.jsonl") in message
+
+
+def test_a_chat_may_end_with_the_call_it_trains(tmp_path):
+    ends_with_a_call = {**TOOL_CHAT, "messages": TOOL_CHAT["messages"][:3]}  # the trained turn is the call itself
+    (trajectory,) = read_chat_file(write(tmp_path, ends_with_a_call))
+    assert trajectory.messages[-1].tool_calls and trajectory.messages[-1].tool_calls[0].id == "c1"
 
 
 def test_a_long_list_of_problems_is_cut_with_a_count(tmp_path):

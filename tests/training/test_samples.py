@@ -112,6 +112,16 @@ def test_no_assistant_turn_is_an_error_naming_the_trajectory():
         trajectory_samples(trajectory)
 
 
+def test_a_trained_first_turn_with_nothing_before_it_says_so(tool_tokenizer):
+    opening = [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "2+2?"},
+               {"role": "assistant", "content": "4"}]
+    with pytest.raises(TrajectoryError, match="t-open.*first message is a trained assistant turn.*weight 0"):
+        trajectory_samples(Trajectory(id="t-open", messages=opening), tool_tokenizer)
+    untrained = [{**opening[0], "weight": 0}, *opening[1:]]  # context only: the later turn trains
+    (sample,) = trajectory_samples(Trajectory(messages=untrained), tool_tokenizer)
+    assert _trained_text(tool_tokenizer, sample) == ["4<|im_end|>"]
+
+
 def test_rerendering_without_a_tokenizer_says_how_to_fix():
     trajectory = Trajectory(id="t-1", messages=[{"role": "user", "content": "hi"},
                                                 {"role": "assistant", "content": "yo"}])

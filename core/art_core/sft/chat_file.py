@@ -131,6 +131,7 @@ def _check_tools(tools: Any) -> tuple[set[str] | None, list[str]]:
 def _check_messages(messages: list[Any], tool_names: set[str] | None) -> list[str]:
     problems: list[str] = []
     call_ids: set[str] = set()
+    unanswered: dict[str, str] = {}  # the last assistant turn's call ids still without a tool result -> its place
     trained_turns = 0
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
@@ -143,8 +144,18 @@ def _check_messages(messages: list[Any], tool_names: set[str] | None) -> list[st
             continue
         where = f"{where} ({role})"
         problems += _check_content(message, where)
+        if role in ("user", "assistant"):  # a call is answered before the conversation goes on (OpenAI's rule)
+            problems += [f"{at} tool call {call_id!r} has no tool result before {where}: add a "
+                         f'{{"role": "tool", "tool_call_id": {json.dumps(call_id)}, "content": ...}} message after it'
+                         for call_id, at in unanswered.items()]
+            unanswered = {}
+        if role == "assistant" and i == 0 and message.get("weight", 1) == 1:
+            problems.append(f"{where} is the first message, with nothing before it to prompt it: start with a user "
+                            "(or system) message, or give it weight 0")
         if role == "assistant":
+            made = set(call_ids)
             problems += _check_calls(message.get("tool_calls"), where, tool_names, call_ids)
+            unanswered = {call_id: where for call_id in call_ids - made}
             weight = message.get("weight", 1)
             if weight not in (0, 1) or isinstance(weight, bool):
                 problems.append(f"{where} has weight {weight!r}; use 0 (context only) or 1 (trained)")
@@ -156,6 +167,8 @@ def _check_messages(messages: list[Any], tool_names: set[str] | None) -> list[st
             call_id = message.get("tool_call_id")
             if not isinstance(call_id, str) or call_id not in call_ids:
                 problems.append(f"{where} answers tool_call_id {call_id!r}, which no earlier assistant turn made")
+            if isinstance(call_id, str):
+                unanswered.pop(call_id, None)
     if not trained_turns:
         problems.append("no assistant message to learn from (add one, or give one weight 1)")
     return problems
@@ -187,6 +200,8 @@ def _check_calls(calls: Any, where: str, tool_names: set[str] | None, call_ids: 
         if not isinstance(call, dict) or not isinstance(call.get("id"), str) or not isinstance(function, dict):
             problems.append(f'{at} is not {{"id": ..., "type": "function", "function": {{"name", "arguments"}}}}')
             continue
+        if call["id"] in call_ids:
+            problems.append(f"{at} reuses the id {call['id']!r} of an earlier call: give each call its own id")
         call_ids.add(call["id"])
         name, arguments = function.get("name"), function.get("arguments")
         if not isinstance(name, str) or not name:

@@ -209,6 +209,10 @@ def _samples_by_rerendering(trajectory_id: str, history: History, tokenizer: Any
     # for the whole history); record the character span of each assistant turn.
     texts: list[tuple[str, list[tuple[int, int]]]] = []
     for k in turns:
+        if k == 0:  # rendered on nothing, the template fails with "empty conversation"
+            raise TrajectoryError(
+                f"trajectory {trajectory_id!r}: its first message is a trained assistant turn, with nothing before "
+                "it to prompt it; start the history with a user (or system) message, or give that turn weight 0")
         before = render(k, generation_prompt=True)
         upto = render(k + 1, generation_prompt=False)
         if not upto.startswith(before):
