@@ -32,10 +32,11 @@ While the first rollouts run, the trainer makes what its first step would make a
 **Nothing is lost.** Each step writes its groups to disk before training (as ``model.train`` always does). A rollout
 that raises (or returns an empty group) is counted and the pipeline goes on; when ``max_failures_in_a_row``
 rollouts fail with none succeeding in between (a typo in ``play``, a model name the adapter does not route, a
-server down), it stops with a ``RolloutError`` whose cause is the last failure, instead of retrying forever. A step that raises stops the
-pipeline with that error, after cancelling the rollouts in flight; its trajectories stay on disk. Cancelling the
-pipeline (Ctrl-C) cancels the rollouts in flight and lets the steps already handed to the backend finish (the one
-training, and the next one when it is queued behind it), so no checkpoint or history row is left half-written.
+server down), it stops with a ``RolloutError`` whose cause is the last failure, instead of retrying forever. A
+step that raises stops the pipeline with that error, after cancelling the rollouts in flight; its trajectories stay
+on disk. Cancelling the pipeline (Ctrl-C) cancels the rollouts in flight and lets the steps already handed to the
+backend finish (the one training, and the next one when it is queued behind it), so no checkpoint or history row is
+left half-written.
 The same holds when a step fails: a step queued behind it still trains before the error is raised.
 """
 

@@ -54,7 +54,8 @@ if TYPE_CHECKING:
     from ..config import SFTConfig, TrainConfig
     from ..engines.base import Engine
 
-__all__ = ["EngineHold", "Hold", "StepOutcome", "StepRunner", "StepWork", "Trained", "warn_at_caller"]
+__all__ = ["EngineHold", "Hold", "StepOutcome", "StepRunner", "StepWork", "Trained", "warn_at_caller",
+           "warn_dropped_groups"]
 
 
 
@@ -260,7 +261,7 @@ class StepRunner:
             if self.error is None and self.hold.state == "paused":  # nothing changed: serve on as before
                 await self.hold.resume_after_training(self.step)
             raise
-        _warn_dropped_groups(groups, config, next_step - 1, metrics)
+        warn_dropped_groups(groups, config, next_step - 1, metrics)
         return next_step, metrics, checkpoint, trained
 
     def _written_after_release(self, trained: Trained) -> bool:
@@ -321,10 +322,11 @@ def _checkpoint_metadata(config: TrainConfig | SFTConfig, metrics: dict[str, Any
     return {"kind": "grpo", "loss": config.loss, "reward_mean": metrics["reward_mean"]}
 
 
-def _warn_dropped_groups(groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig, policy_step: int,
+def warn_dropped_groups(groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig, policy_step: int,
                          metrics: dict[str, Any]) -> None:
     """Warn, at the user's ``model.train`` line, that groups were dropped: sampled too long ago
-    (``TrainConfig.max_off_policy``), or with equal rewards."""
+    (``TrainConfig.max_off_policy``), or with equal rewards. From the step's metrics alone, so a ``RemoteBackend``
+    client warns as the process that trained does."""
     kept = list(range(len(groups)))
     if metrics.get("groups_stale"):
         from ..training.staleness import StaleGroupsWarning, staleness

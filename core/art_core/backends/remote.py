@@ -49,7 +49,7 @@ from ..types import Trajectory, TrajectoryGroup
 from ._http import LoopClient
 from ._tables import ModelTable
 from ._progress import progress_bar
-from ._steps import _warn_dropped_groups
+from ._steps import warn_dropped_groups
 from .base import ModelSpec, Progress, TrainResult
 
 if TYPE_CHECKING:
@@ -209,7 +209,7 @@ class RemoteBackend:
                             self._models.add(model, registered.model_copy(update={"step": result.step}))
                             # The server warned in its own process: warn here too, at the user's train line.
                             policy_step = result.step - 1 if result.metrics.get("trained") else result.step
-                            _warn_dropped_groups(list(groups), config, policy_step, result.metrics)
+                            warn_dropped_groups(list(groups), config, policy_step, result.metrics)
                             return result
                         elif kind == "error":
                             raise error_from_wire(ErrorBody.model_validate(data))

@@ -38,10 +38,10 @@ from typing import Any
 import torch
 
 from .._ownership import module_ownership
-from .advantages import ZeroVarianceGroupsWarning  # re-exported; defined without torch (clients warn too)
 from ..config import SFTConfig, TrainConfig
 from ..errors import ConfigError, TrainingError, TrajectoryError
 from ..types import Trajectory, TrajectoryGroup
+from .advantages import ZeroVarianceGroupsWarning  # re-exported; defined without torch (clients warn too)
 from .batching import MicroBatch, PackedGroups, PrefixGroup, plan_micro_batches
 from .checkpoints import MARKER
 from .distributed import StepSync
