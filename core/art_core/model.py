@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 from .config import LoraSettings, SFTConfig, TrainConfig
 from .errors import ConfigError, LifecycleError
-from .types import CallRecord, Trajectory, TrajectoryGroup
+from .types import CallRecord, Trajectory, TrajectoryGroup, chat_messages
 
 if TYPE_CHECKING:
     from .backends.base import Backend, GatewayAccess, ModelSpec
@@ -85,6 +85,9 @@ class TrainableModel:
         self._trackers = self._resolve_trackers(report_to)
         self._tracking: TrackingSession | None = None
         self._reporting: concurrent.futures.Future[None] | None = None  # the last step's report, being sent
+        # The trackers' config sections: "train" (GRPO's TrainConfig) and "sft" (SFTConfig), each as its latest
+        # step ran it, so that SFT then GRPO shows both rather than whichever came first.
+        self._step_configs: dict[str, dict[str, Any]] = {}
         self._last_step_end: float | None = None
         from .backends.base import ModelSpec
 
@@ -258,8 +261,9 @@ class TrainableModel:
 
             self._tracking = TrackingSession(self._trackers, self._tracking_folder())
         await self._reported()
+        self._step_configs["sft" if isinstance(config, SFTConfig) else "train"] = config.model_dump()
         run_config = {"project": self.project, "model": self.name, "base_model": str(self.base_model),
-                      "lora": self.lora.model_dump(), "train": config.model_dump()}
+                      "lora": self.lora.model_dump(), **self._step_configs}
         tracking, step = self._tracking, self._step
         self._reporting = tracking.submit(lambda: tracking.report(
             step=step, metrics=dict(metrics), groups=list(groups), config=run_config, project=self.project,
@@ -307,12 +311,15 @@ class TrainableModel:
         Agents reach the model through the gateway; this is the direct path for simple tasks and tests.
 
         Raises:
-            ConfigError: ``n`` or ``max_tokens`` is not an int >= 1 (before anything is sent).
+            ConfigError: a message is not a chat message (a bad role, no role), or ``n`` or ``max_tokens`` is not
+                an int >= 1 (before anything is sent).
         """
         for name, value in (("n", n), ("max_tokens", max_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"sample({name}={value!r}): give an int >= 1")
-        return await self.backend.sample(self.spec, list(messages), n=n, max_tokens=max_tokens,
+        messages = list(messages)
+        chat_messages(messages, where="sample()")
+        return await self.backend.sample(self.spec, messages, n=n, max_tokens=max_tokens,
                                          temperature=temperature, tools=tools, seed=seed)
 
     @property

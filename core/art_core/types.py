@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from .errors import TrajectoryError
+from .errors import ConfigError, TrajectoryError
 
 __all__ = [
     "CallRecord",
@@ -31,6 +31,7 @@ __all__ = [
     "ToolCall",
     "Trajectory",
     "TrajectoryGroup",
+    "chat_messages",
     "read_groups_jsonl",
     "trace_links",
     "write_groups_jsonl",
@@ -81,6 +82,26 @@ class Message(_Model):
         if isinstance(self.content, str):
             return self.content
         return "".join(str(part.get("text", "")) for part in self.content)
+
+
+def chat_messages(messages: Iterable[Any], *, where: str) -> list[Message]:
+    """``messages`` (OpenAI chat-format dicts) as ``Message`` objects, checked before any work is done on them.
+
+    Raises:
+        ConfigError: naming ``where``, the first bad message's index, and what is wrong with it.
+    """
+    out = []
+    for i, message in enumerate(messages):
+        try:
+            out.append(Message.model_validate(message))
+        except ValidationError as exc:
+            problem = exc.errors()[0]
+            field = ".".join(str(part) for part in problem["loc"]) or "message"
+            raise ConfigError(
+                f"{where}: message {i} is not a chat message ({field}: {problem['msg']}; got {message!r:.200}): "
+                "give dicts like {'role': 'user', 'content': '...'}, with role one of system, developer, user, "
+                "assistant, tool") from None
+    return out
 
 
 class CallRecord(_Model):

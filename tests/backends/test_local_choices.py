@@ -61,6 +61,19 @@ async def test_sample_refuses_a_count_below_one_before_sending():
             await model.sample([{"role": "user", "content": "hi"}], **bad)
 
 
+@pytest.mark.parametrize(("message", "problem"), [
+    ({"role": "usr", "content": "hi"}, r"\(role: Input should be 'system'"),
+    ({"content": "hi"}, r"\(role: Field required"),
+    ("hi", r"\(message: Input should be a valid dictionary"),
+])
+async def test_sample_refuses_a_message_that_is_not_a_chat_message_before_sending(message, problem):
+    model = TrainableModel(name="unsent")  # never registered: the check comes before the backend is asked
+    system = {"role": "system", "content": "Be brief."}
+    with pytest.raises(ConfigError, match=r"sample\(\): message 1 is not a chat message " + problem +
+                       r".*with role one of system, developer, user, assistant, tool"):
+        await model.sample(iter([system, message]), max_tokens=2)
+
+
 async def test_gateway_settings_pass_through(tiny_model_dir, tmp_path):
     model = TrainableModel(name="passed", base_model=tiny_model_dir)
     async with LocalBackend(path=tmp_path, api_key="secret", default_max_tokens=5, max_tokens_limit=40,

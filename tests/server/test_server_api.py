@@ -128,6 +128,12 @@ async def test_bad_payloads_get_4xx_naming_the_field(server: Server, registered:
         response = await client.post(f"/gateway/{registered.project}/{registered.name}/v1/chat/completions",
                                      json={"model": "tiny", "messages": "hi"})
         assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+        # A sample call with a message no chat has: refused before the engine runs, not a 500.
+        response = await client.post(f"{API_PREFIX}/models/{registered.project}/{registered.name}/sample",
+                                     json={"messages": [{"role": "usr", "content": "hi"}], "max_tokens": 2})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "ConfigError" and "message 0 is not a chat message (role:" in error["message"]
         # The server keeps serving.
         response = await client.get(f"{API_PREFIX}/health")
         assert response.status_code == 200 and response.json()["models"][0]["name"] == "tiny"

@@ -9,8 +9,9 @@ import pandas
 
 from mlflow import MlflowClient
 
-from art_core.tracking import TRAJECTORY_TABLES, MLflowTracker
-from tracked_steps import train_twice
+from art_core import LocalBackend, TrainableModel
+from art_core.tracking import MLFLOW_CONFIG_TAG_PREFIX, TRAJECTORY_TABLES, MLflowTracker
+from tracked_steps import SFT_MODEL, sft_then_grpo, train_steps, train_twice
 
 
 async def test_metrics_params_and_table_reach_the_mlflow_server_and_a_resumed_model_continues_the_run(
@@ -46,3 +47,26 @@ async def test_metrics_params_and_table_reach_the_mlflow_server_and_a_resumed_mo
     assert best["reward"] == 1.0 and best["trace_id"] == "trace-1"
     assert best["trace_url"] == "http://langfuse.test/trace/trace-1"
     assert best["messages"].startswith("user: Name a color.")
+
+
+async def test_sft_then_grpo_logs_both_sections_and_a_changed_learning_rate_as_a_tag_also_after_a_resume(
+        tiny_model_dir, tmp_path, mlflow_server):
+    tracker = lambda: MLflowTracker(tracking_uri=mlflow_server)  # noqa: E731
+    await sft_then_grpo(tmp_path, tiny_model_dir, tracker, project="mlflow-sft")
+    client = MlflowClient(tracking_uri=mlflow_server)
+    [run] = client.search_runs([client.get_experiment_by_name("mlflow-sft").experiment_id])
+    params, tags = run.data.params, run.data.tags
+    assert params["sft.learning_rate"] == "0.0005" and "sft.epochs" in params  # step 1
+    assert params["train.learning_rate"] == "0.001" and "train.loss" in params  # step 2 added the GRPO section
+    assert tags[MLFLOW_CONFIG_TAG_PREFIX + "train.learning_rate"] == "0.002"  # step 3 changed it: a param cannot
+    assert not any(key.startswith(MLFLOW_CONFIG_TAG_PREFIX + "sft.") for key in tags)
+
+    # A new process resumes the run with another learning rate: the tag follows, the first value stays.
+    model = TrainableModel(name=SFT_MODEL, project="mlflow-sft", base_model=tiny_model_dir, report_to=tracker())
+    async with LocalBackend(path=tmp_path, serve=False, show_progress=False) as backend:
+        await model.register(backend)
+        await train_steps(model, 1, learning_rate=3e-3)
+        await model.finish_tracking()
+    resumed = client.get_run(run.info.run_id)
+    assert resumed.data.params["train.learning_rate"] == "0.001"
+    assert resumed.data.tags[MLFLOW_CONFIG_TAG_PREFIX + "train.learning_rate"] == "0.003"

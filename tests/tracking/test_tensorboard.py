@@ -8,7 +8,7 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
 
-from tracked_steps import train_twice
+from tracked_steps import SFT_MODEL, sft_then_grpo, train_twice
 
 
 def _scalars(accumulator: EventAccumulator, tag: str) -> dict[int, float]:
@@ -45,3 +45,17 @@ async def test_steps_config_and_table_reach_tensorboard_and_a_resumed_model_cont
     assert sorted(table) == [1, 2, 3]
     assert "| best |" in table[1] and "| worst |" in table[1] and "trace-1" in table[1]
     assert "user: Name a color." in table[3]
+
+
+async def test_sft_then_grpo_writes_the_config_again_at_each_step_that_changed_it(tiny_model_dir, tmp_path):
+    await sft_then_grpo(tmp_path, tiny_model_dir, lambda: "tensorboard")
+
+    [run_dir] = (tmp_path / "tracking" / "models" / SFT_MODEL / "tracking" / "tensorboard").iterdir()
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
+    accumulator.Reload()
+    config = {step: json.loads(text.removeprefix("```json\n").removesuffix("\n```"))
+              for step, text in _texts(accumulator, "config").items()}
+    assert sorted(config) == [0, 2, 3]  # made at the SFT step; GRPO added its section at 2, a new rate at 3
+    assert list(config[0]).count("sft") == 1 and "train" not in config[0]
+    assert config[2]["sft"]["learning_rate"] == 5e-4 and config[2]["train"]["learning_rate"] == 1e-3
+    assert config[3]["train"]["learning_rate"] == 2e-3

@@ -24,7 +24,7 @@ import pytest
 _SCRIPT = textwrap.dedent("""
     import asyncio, json, sys
     from pathlib import Path
-    from tracked_steps import train_twice
+    from tracked_steps import sft_then_grpo, train_twice
 
     path, base = Path(sys.argv[1]), Path(sys.argv[2])
     asyncio.run(train_twice(path, base, lambda: "trackio"))
@@ -33,6 +33,12 @@ _SCRIPT = textwrap.dedent("""
     runs = SQLiteStorage.get_runs("tracking")
     out = {"runs": runs, "ids": json.loads((path / "tracking/models/tracked/tracking/runs.json").read_text()),
            "logs": SQLiteStorage.get_logs("tracking", runs[0]), "config": SQLiteStorage.get_run_config("tracking", runs[0])}
+
+    # An SFT step, then GRPO at two learning rates, in a project of its own.
+    asyncio.run(sft_then_grpo(path, base, lambda: "trackio", project="sft-then-grpo"))
+    [sft_run] = SQLiteStorage.get_runs("sft-then-grpo")
+    out["sft_config"] = SQLiteStorage.get_run_config("sft-then-grpo", sft_run)
+    out["sft_steps"] = [row["step"] for row in SQLiteStorage.get_logs("sft-then-grpo", sft_run)]
     print(json.dumps(out, default=str))
 """)
 
@@ -64,6 +70,13 @@ def test_logs_config_and_table_reach_trackios_store_and_a_resumed_model_continue
     assert (best["label"], best["reward"], best["trace_id"]) == ("best", 1.0, "trace-1")
     assert (worst["label"], worst["reward"]) == ("worst", 0.0)
     assert out["config"]["lora"]["rank"] == 8 and out["config"]["train"]["learning_rate"] == 1e-3
+
+
+def test_sft_then_grpo_leaves_trackio_the_latest_config_with_both_sections_in_one_run(trackio_run):
+    _, out = trackio_run
+    assert out["sft_steps"] == [1, 2, 3]  # reopening the run for the new config kept it one run
+    assert out["sft_config"]["sft"]["learning_rate"] == 5e-4
+    assert out["sft_config"]["train"]["learning_rate"] == 2e-3
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")

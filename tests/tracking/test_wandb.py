@@ -6,7 +6,7 @@ import json
 
 import wandb
 
-from tracked_steps import train_twice
+from tracked_steps import SFT_MODEL, sft_then_grpo, train_twice
 from wandb_files import config, history, run_ids
 
 from art_core.tracking import WandbTracker
@@ -43,3 +43,17 @@ async def test_history_config_and_table_reach_wandb_files_and_a_resumed_model_co
 
     first = config(files[0])
     assert first["lora"]["rank"] == 8 and first["train"]["learning_rate"] == 1e-3
+
+
+async def test_sft_then_grpo_updates_the_wandb_config_with_the_grpo_section_and_the_new_learning_rate(
+        tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    await sft_then_grpo(tmp_path, tiny_model_dir, lambda: WandbTracker(mode="offline"))
+    wandb.teardown()  # closes the run's file (see above)
+
+    folder = tmp_path / "tracking" / "models" / SFT_MODEL / "tracking"
+    [file] = (folder / "wandb").glob("offline-run-*/run-*.wandb")
+    latest = config(file)
+    assert latest["sft"]["learning_rate"] == 5e-4
+    assert latest["train"]["learning_rate"] == 2e-3  # step 3's, after step 2's 1e-3
+    assert "loss" in latest["train"] and "epochs" in latest["sft"]

@@ -20,7 +20,7 @@ from ..config import SFTConfig, TrainConfig
 from ..engines.base import EngineOutput, SamplingParams
 from ..errors import LifecycleError
 from ..messages import template_messages
-from ..types import CallRecord, Message, Trajectory, TrajectoryGroup
+from ..types import CallRecord, Message, Trajectory, TrajectoryGroup, chat_messages
 from ._tables import ModelTable
 from .base import ModelSpec, Progress, TrainResult
 
@@ -119,6 +119,7 @@ class ServesModels:
                      temperature: float, tools: list[dict[str, Any]] | None, seed: int | None) -> list[Trajectory]:
         slot = self._models.get(model)
         messages = list(messages)
+        chat_messages(messages, where="sample()")  # a server's client may send anything: a 400, not a 500
         tokenizer = slot.engine.tokenizer
         prompt = render_chat(tokenizer, messages, tools)
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)

@@ -3,7 +3,8 @@
 A tracker is told, in order::
 
     run_id = tracker.start(run)       # first step of this process: open (or resume) the run, log its config
-    tracker.log_step(report)          # after every ``model.train`` (metrics + a few trajectories)
+    tracker.log_step(report)          # after every ``model.train`` (metrics + a few trajectories; the config
+                                      # again, in ``report.config``, when a step changed it)
     tracker.finish()                  # ``model.finish_tracking()``: close the run (the next step reopens it)
 
 This module imports only the standard library: a tracker's own library is imported in its ``start``.
@@ -32,7 +33,9 @@ class RunInfo:
     folder: Path
     """A folder on this machine the tracker may write its local files under (``<model_dir>/tracking``)."""
     config: dict[str, Any]
-    """The run's configuration: ``{"project", "model", "base_model", "lora": {...}, "train": {...}}``."""
+    """The run's configuration: ``{"project", "model", "base_model", "lora": {...}, "train": {...}}``, with
+    ``"train"`` the GRPO steps' ``TrainConfig`` and ``"sft"`` the SFT steps' ``SFTConfig`` (each once the model
+    has run such a step)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,10 @@ class StepReport:
     """The step's best and worst trajectories."""
     rollouts: list[ScoredRollout] = field(default_factory=list)
     """Every trajectory of the step: reward, metrics and metadata."""
+    config: dict[str, Any] | None = None
+    """The run's configuration (``RunInfo.config``'s layout) when it changed since the trackers last got it (an
+    SFT step then GRPO steps adds a section, a new learning rate changes one); None when it did not. A tracker
+    shows it as the run's latest config."""
 
 
 @runtime_checkable

@@ -13,7 +13,7 @@ from typing import Any
 
 from ._base import RunInfo, StepReport
 
-__all__ = ["MLFLOW_TRACE_ID_KEY", "TRAJECTORY_TABLES", "MLflowTracker", "flat_params"]
+__all__ = ["MLFLOW_CONFIG_TAG_PREFIX", "MLFLOW_TRACE_ID_KEY", "TRAJECTORY_TABLES", "MLflowTracker", "flat_params"]
 
 MLFLOW_TRACE_ID_KEY = "mlflow_trace_id"
 """``Trajectory.metadata`` key of the MLflow trace of the rollout (set by ``art_plugins.mlflow``)."""
@@ -23,12 +23,16 @@ TRAJECTORY_TABLES = "trajectories"
 "split" JSON layout ``MlflowClient.log_table`` writes (``{"columns": [...], "data": [[...], ...]}``;
 ``pandas.read_json(path, orient="split")`` reads it)."""
 
+MLFLOW_CONFIG_TAG_PREFIX = "config."
+"""Tag prefix of a config value that changed after the run first logged it (``config.train.learning_rate``)."""
+
 _PARAM_CHARS = 6000  # MLflow's limit on a param value
+_TAG_CHARS = 8000  # and on a tag's
 
 
 class MLflowTracker:
-    """Logs to an MLflow run: metrics per step, the config as params (once, when the run is made), and each
-    step's trajectory table as an artifact under ``trajectories/``.
+    """Logs to an MLflow run: metrics per step, the config as params (a value that changes later, as the tag
+    ``config.<key>``), and each step's trajectory table as an artifact under ``trajectories/``.
 
     Args:
         tracking_uri: the tracking server (``http://127.0.0.1:5000``) or store; default: MLflow's
@@ -43,6 +47,7 @@ class MLflowTracker:
         self.experiment = experiment
         self._client: Any = None
         self._run_id: str | None = None
+        self._config: dict[str, str] = {}  # the run's config as logged: flat key -> latest value
 
     @property
     def run_id(self) -> str | None:
@@ -51,26 +56,43 @@ class MLflowTracker:
 
     def start(self, run: RunInfo) -> str:
         from mlflow import MlflowClient
-        from mlflow.entities import Param
 
         self._client = client = MlflowClient(tracking_uri=self.tracking_uri)
         if run.run_id is not None:
-            client.update_run(client.get_run(run.run_id).info.run_id, status="RUNNING")
+            resumed = client.get_run(run.run_id)
+            client.update_run(resumed.info.run_id, status="RUNNING")
             self._run_id = run.run_id
-            return run.run_id
-        name = self.experiment or run.project
-        experiment = client.get_experiment_by_name(name)
-        experiment_id = experiment.experiment_id if experiment is not None else client.create_experiment(name)
-        created = client.create_run(experiment_id, run_name=run.name, tags={"art.model": run.name})
-        self._run_id = created.info.run_id
-        params = [Param(key, value) for key, value in flat_params(run.config).items()]
-        for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
-            client.log_batch(self._run_id, params=params[i:i + 100])
+            self._config = _logged_config(resumed.data.params, resumed.data.tags)
+        else:
+            name = self.experiment or run.project
+            experiment = client.get_experiment_by_name(name)
+            experiment_id = experiment.experiment_id if experiment is not None else client.create_experiment(name)
+            created = client.create_run(experiment_id, run_name=run.name, tags={"art.model": run.name})
+            self._run_id = created.info.run_id
+            self._config = {}
+        self._log_config(run.config)  # a resumed run gets what changed (a new learning rate)
         return self._run_id
+
+    def _log_config(self, config: dict[str, Any]) -> None:
+        """Keys the run has not seen become params. A changed value becomes the tag ``config.<key>``: MLflow
+        refuses to change a param, and the tag shows the latest value beside the first."""
+        from mlflow.entities import Param, RunTag
+
+        flat = flat_params(config)
+        params = [Param(key, value) for key, value in flat.items() if key not in self._config]
+        tags = [RunTag(MLFLOW_CONFIG_TAG_PREFIX + key, value[:_TAG_CHARS]) for key, value in flat.items()
+                if key in self._config and self._config[key] != value]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 params (or tags) per batch
+            self._client.log_batch(self._run_id, params=params[i:i + 100])
+        for i in range(0, len(tags), 100):
+            self._client.log_batch(self._run_id, tags=tags[i:i + 100])
+        self._config.update(flat)
 
     def log_step(self, report: StepReport) -> None:
         from mlflow.entities import Metric
 
+        if report.config is not None:
+            self._log_config(report.config)
         now = int(time.time() * 1000)
         metrics = [Metric(key, value, now, report.step) for key, value in report.metrics.items()]
         self._client.log_batch(self._run_id, metrics=metrics)
@@ -115,3 +137,10 @@ def flat_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
         else:
             out[f"{prefix}{key}"] = str(value)[:_PARAM_CHARS]
     return out
+
+
+def _logged_config(params: dict[str, str], tags: dict[str, str]) -> dict[str, str]:
+    """A resumed run's config as logged: its params, each overridden by a later ``config.<key>`` tag."""
+    changed = {key.removeprefix(MLFLOW_CONFIG_TAG_PREFIX): value for key, value in tags.items()
+               if key.startswith(MLFLOW_CONFIG_TAG_PREFIX)}
+    return {**params, **changed}

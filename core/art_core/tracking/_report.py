@@ -18,7 +18,7 @@ _MESSAGES_CHARS = 4000  # a table cell: enough to read a rollout, small enough f
 
 
 def step_report(step: int, metrics: Mapping[str, Any], groups: Sequence[TrajectoryGroup], *,
-                seconds: Mapping[str, float], failures: int) -> StepReport:
+                seconds: Mapping[str, float], failures: int, config: dict[str, Any] | None = None) -> StepReport:
     """The report of one ``train`` call.
 
     Args:
@@ -29,6 +29,7 @@ def step_report(step: int, metrics: Mapping[str, Any], groups: Sequence[Trajecto
             best and worst trajectories make the table.
         seconds: client-side timings, logged as ``time/<key>``.
         failures: tracker failures before this report is sent, logged as ``tracking/failures``.
+        config: the run's configuration when it changed since the last report; None when it did not.
     """
     out: dict[str, float] = {}
     for key, value in metrics.items():
@@ -47,7 +48,8 @@ def step_report(step: int, metrics: Mapping[str, Any], groups: Sequence[Trajecto
     rollouts = [ScoredRollout(trajectory_id=t.id, reward=t.reward, metadata=dict(t.metadata),
                               metrics={k: n for k, v in t.metrics.items() if (n := _finite(v)) is not None})
                 for t in trajectories]
-    return StepReport(step=step, metrics=out, trajectories=_best_and_worst(step, groups), rollouts=rollouts)
+    return StepReport(step=step, metrics=out, trajectories=_best_and_worst(step, groups), rollouts=rollouts,
+                      config=config)
 
 
 def _finite(value: Any) -> float | None:

@@ -110,6 +110,7 @@ class TrackingSession:
         self.failures = 0
         """Tracker calls that raised, since the model was made."""
         self._started: list[Tracker] = []
+        self._config: dict[str, Any] | None = None  # the config the trackers last got (in start or a report)
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="art-tracking")
 
     def submit(self, call: Callable[[], None]) -> concurrent.futures.Future[None]:
@@ -131,7 +132,11 @@ class TrackingSession:
                 if tracker not in self._started:
                     self._start(tracker, RunInfo(project=project, name=name, folder=self.folder, config=config,
                                                  run_id=self._run_ids().get(tracker.name)), problems)
-            report = step_report(step, metrics, groups, seconds=seconds, failures=self.failures)
+            # A tracker started above got the config in start; the others get it in the report when it changed.
+            changed = self._config is not None and config != self._config
+            self._config = config
+            report = step_report(step, metrics, groups, seconds=seconds, failures=self.failures,
+                                 config=config if changed else None)
             for tracker in self._started:
                 self._call(tracker, "log_step", lambda t=tracker: t.log_step(report), problems)
         except Exception as exc:  # our own part (the report, runs.json) must not fail the step either

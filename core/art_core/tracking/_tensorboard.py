@@ -14,7 +14,8 @@ __all__ = ["TensorBoardTracker"]
 
 
 class TensorBoardTracker:
-    """Writes scalars per step, the config once (text ``config``) and the trajectory table (text ``trajectories``).
+    """Writes scalars per step, the config (text ``config``: at step 0, and again at a step that changed it) and
+    the trajectory table (text ``trajectories``).
 
     Args:
         log_dir: the folder ``tensorboard --logdir`` is pointed at; default ``<model_dir>/tracking/tensorboard``.
@@ -37,14 +38,15 @@ class TensorBoardTracker:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._writer = EventFileWriter(str(self.run_dir))
         if run.run_id is None:
-            text = "```json\n" + json.dumps(run.config, indent=2, default=str) + "\n```"
-            self._write(0, text_pb("config", text))
+            self._write(0, text_pb("config", _json_block(run.config)))
         return run_id
 
     def log_step(self, report: StepReport) -> None:
         from tensorboard.plugins.scalar.summary_v2 import scalar_pb
         from tensorboard.plugins.text.summary_v2 import text_pb
 
+        if report.config is not None:  # the text plugin shows each step's entry: the config as of that step
+            self._write(report.step, text_pb("config", _json_block(report.config)))
         for key, value in report.metrics.items():
             self._write(report.step, scalar_pb(key, value))
         if report.trajectories:
@@ -60,6 +62,10 @@ class TensorBoardTracker:
         from tensorboard.compat.proto.event_pb2 import Event
 
         self._writer.add_event(Event(wall_time=time.time(), step=step, summary=summary))
+
+
+def _json_block(config: dict[str, Any]) -> str:
+    return "```json\n" + json.dumps(config, indent=2, default=str) + "\n```"
 
 
 def _markdown_table(rows: list[dict[str, Any]]) -> str:

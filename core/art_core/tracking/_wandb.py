@@ -47,6 +47,8 @@ class WandbTracker:
     def log_step(self, report: StepReport) -> None:
         import wandb
 
+        if report.config is not None:
+            self._run.config.update(report.config, allow_val_change=True)
         data: dict[str, Any] = dict(report.metrics)
         if report.trajectories:
             rows = [row.as_dict() for row in report.trajectories]
