@@ -19,23 +19,28 @@ import pytest
 
 import module_order
 
-# litellm (the RULER judge client) fetches its price list from the internet on import unless told not to.
-# MLflow starts a telemetry thread on import; offline, its fetch fails and it pops an environment variable while
-# our tracker's thread may be iterating os.environ (requests reads the proxies from it): the tracker call fails
-# with KeyError('_MLFLOW_TELEMETRY_SESSION_ID') and that step's report is lost (seen once in a loaded CI run).
-_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-                "MLFLOW_DISABLE_TELEMETRY": "true"}
-_env_before_session: dict[str, str | None] = {}
 # One torch thread per test process. Measured here (2 cores, a decode-sized matmul loop): 2 threads ran 1.6x
 # faster than 1 on a quiet machine but 2.5x slower than 1 beside one busy process (OpenMP's threads wait
 # for each other), and the suite must pass quiet or loaded; pytest-xdist's two workers use the second core.
 TORCH_THREADS = 1
+# The same for the Python processes tests start (README snippets, Trackio's child, servers), through the variable
+# torch's default thread count follows; code that sets its own count (Ray actors, `art-core serve --threads`)
+# still does. Measured: the README's Agents SDK snippet took 61 s beside a busy core on torch's default of two
+# threads, 38 s on one (35 s on a quiet machine); beside the other xdist worker it had taken 184 s.
+_SUBPROCESS_THREADS = {"OMP_NUM_THREADS": str(TORCH_THREADS)}
+# litellm (the RULER judge client) fetches its price list from the internet on import unless told not to.
+# MLflow starts a telemetry thread on import; offline, its fetch fails and it pops an environment variable while
+# our tracker's thread may be iterating os.environ (requests reads the proxies from it): the tracker call fails
+# with KeyError('_MLFLOW_TELEMETRY_SESSION_ID') and that step's report is lost (seen once in a loaded CI run).
+_SESSION_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+                "MLFLOW_DISABLE_TELEMETRY": "true", **_SUBPROCESS_THREADS}
+_env_before_session: dict[str, str | None] = {}
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # Set here, before collection, because huggingface_hub reads HF_HUB_OFFLINE once, when a test module
     # first imports it; a fixture would come too late.
-    for key, value in _OFFLINE_ENV.items():
+    for key, value in _SESSION_ENV.items():
         _env_before_session[key] = os.environ.get(key)
         os.environ[key] = value
     if importlib.util.find_spec("torch") is not None:
