@@ -96,7 +96,7 @@ class _GatewayProvider(ModelProvider):
         except openai.OpenAIError as exc:  # typically: no OPENAI_API_KEY for a model that is not ours
             raise ConfigError(
                 f"an agent runs on model {model_name or get_default_model()!r}, which is not the trainable model "
-                f"(its names: {sorted(self._names)}), and the SDK could not set that model up: {exc}. Name the "
+                f"(its names: {sorted(self._names)}), and the SDK could not set that model up: {str(exc).rstrip('.')}. Name the "
                 f"trainable model in the agent, or pass model_names=[{model_name or get_default_model()!r}] to "
                 "train it in that model's place") from exc
 
@@ -203,6 +203,25 @@ def _describe(error: BaseException, timeout: float | None) -> str:
     if isinstance(error, TimeoutError):
         return f"TimeoutError: the run took longer than timeout={timeout} s and was cancelled"
     return f"{type(error).__name__}: {error}"
+
+
+def _note_outside_call(error: BaseException, model: TrainableModel) -> None:
+    """Note on an OpenAI error that did not come from the trainable model's gateway where such calls usually come
+    from: an agent a guardrail or tool ran itself (``Runner.run(checker, ...)``), which the SDK gives none of the
+    run's configuration, so it went to the SDK's default client (no key there, or a model name only we serve)."""
+    if not isinstance(error, openai.OpenAIError):
+        return
+    request = getattr(error, "request", None)  # APIConnectionError and APIStatusError carry theirs
+    try:
+        gateway = httpx2.URL(model.base_url).netloc
+    except Exception:  # no gateway to compare with (not registered): say nothing rather than guess
+        return
+    if request is not None and httpx2.URL(str(request.url)).netloc == gateway:
+        return
+    error.add_note("art-plugins: this call did not go to the trainable model's gateway. If it came from an agent that "
+                   "a guardrail or tool of the run starts itself (await Runner.run(checker, ...)), pass "
+                   "run_config=current_run_config() (from art_plugins.openai_agents) to that Runner.run: its calls "
+                   "then reach the rollout's gateway. An agent on another model needs that model's own credentials.")
 
 
 def _last_agent(error: BaseException | None) -> Agent[Any] | None:

@@ -290,18 +290,19 @@ class RolloutScope:
         return bool(self.model.rollout_records(self.rollout_id))
 
     async def fetch_trajectory(self, *, final_state: Any = None, stop_reason: str | None = None,
-                               metadata: dict[str, Any] | None = None) -> Trajectory:
+                               metadata: dict[str, Any] | None = None, main_caller: str | None = None) -> Trajectory:
         """``trajectory``, with the gateway's records fetched without blocking the event loop (the adapters'
         rollouts use it: with a remote backend the records come over HTTP)."""
         if self.teacher is not None:
-            return self._demonstration(final_state=final_state, stop_reason=stop_reason, metadata=metadata)
+            return self._demonstration(final_state=final_state, stop_reason=stop_reason, metadata=metadata,
+                                       main_caller=main_caller)
         records = await self.model.fetch_rollout_records(self.rollout_id)
         status = await self.model.fetch_rollout_status(self.rollout_id) if self._needs_status(records) else None
         return self._trajectory(records, status, final_state=final_state, stop_reason=stop_reason,
-                                metadata=metadata)
+                                metadata=metadata, main_caller=main_caller)
 
     def trajectory(self, *, final_state: Any = None, stop_reason: str | None = None,
-                   metadata: dict[str, Any] | None = None) -> Trajectory:
+                   metadata: dict[str, Any] | None = None, main_caller: str | None = None) -> Trajectory:
         """The run as a trajectory: histories from the gateway's records, the final state attached.
 
         It waits for the records in the calling thread; async code should ``await fetch_trajectory(...)``.
@@ -316,6 +317,8 @@ class RolloutScope:
             stop_reason: why the run stopped early (``"recursion_limit"``, ``"timeout"``, ``"max_turns"``...);
                 the trajectory is then marked ``metadata["truncated"] = True``.
             metadata: more labels.
+            main_caller: the caller the run ended with (an Agents SDK agent's name): its last call's history is
+                the main one (``trajectory_from_records``); None: the history of the run's last call.
 
         Raises:
             NoTrainableCallsError: the run never called the trainable model (the message lists what it called),
@@ -323,11 +326,12 @@ class RolloutScope:
                 how many the gateway received and never answered, cut, refused).
         """
         if self.teacher is not None:
-            return self._demonstration(final_state=final_state, stop_reason=stop_reason, metadata=metadata)
+            return self._demonstration(final_state=final_state, stop_reason=stop_reason, metadata=metadata,
+                                       main_caller=main_caller)
         records = self.model.rollout_records(self.rollout_id)
         status = self.model.rollout_status(self.rollout_id) if self._needs_status(records) else None
         return self._trajectory(records, status, final_state=final_state, stop_reason=stop_reason,
-                                metadata=metadata)
+                                metadata=metadata, main_caller=main_caller)
 
     def _labels(self, stop_reason: str | None, metadata: dict[str, Any] | None) -> dict[str, Any]:
         labels: dict[str, Any] = {"framework": self.framework, "rollout_id": self.rollout_id,
@@ -336,8 +340,8 @@ class RolloutScope:
             labels["stop_reason"] = stop_reason
         return {**labels, **(metadata or {})}
 
-    def _demonstration(self, *, final_state: Any, stop_reason: str | None,
-                       metadata: dict[str, Any] | None) -> Trajectory:
+    def _demonstration(self, *, final_state: Any, stop_reason: str | None, metadata: dict[str, Any] | None,
+                       main_caller: str | None) -> Trajectory:
         """The run as a demonstration: histories from the teacher's exchanges, no token ids."""
         assert self.teacher is not None
         exchanges = self.teacher.exchanges(self.rollout_id)
@@ -349,7 +353,8 @@ class RolloutScope:
             raise NoTrainableCallsError(self._why_never_called(stop_reason))
         labels = {**self._labels(stop_reason, metadata), DEMONSTRATION_KEY: True,
                   TEACHER_KEY: self.teacher.teacher.label}
-        trajectory = trajectory_from_conversations(exchanges, id=self.trajectory_id, metadata=labels)
+        trajectory = trajectory_from_conversations(exchanges, id=self.trajectory_id, metadata=labels,
+                                                   main_caller=main_caller)
         trajectory.metrics["teacher_calls"] = len(exchanges)
         trajectory.final_state = final_state
         for observer in self.observers:
@@ -363,7 +368,7 @@ class RolloutScope:
                 or len({r.request_id for r in records}) < self.route.calls_maybe_recorded)
 
     def _trajectory(self, records: list[Any], status: RolloutStatus | None, *, final_state: Any,
-                    stop_reason: str | None, metadata: dict[str, Any] | None) -> Trajectory:
+                    stop_reason: str | None, metadata: dict[str, Any] | None, main_caller: str | None) -> Trajectory:
         sampled = [r for r in records if r.completion_token_ids]
         if not sampled:
             assert status is not None  # _needs_status asked for it
@@ -374,7 +379,8 @@ class RolloutScope:
             labels["cancelled_calls"] = cancelled
         if status is not None and status.unanswered:
             labels["unanswered_calls"] = status.unanswered
-        trajectory = trajectory_from_records(sampled, id=self.trajectory_id, metadata={**labels, **(metadata or {})})
+        trajectory = trajectory_from_records(sampled, id=self.trajectory_id, metadata={**labels, **(metadata or {})},
+                                             main_caller=main_caller)
         trajectory.final_state = final_state
         for observer in self.observers:
             observer.link(trajectory)

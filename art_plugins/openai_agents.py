@@ -103,6 +103,7 @@ from ._agents_sdk import (  # noqa: E402  (after the SDK's own import check abov
     _labelling,
     _last_agent,
     _no_label,
+    _note_outside_call,
     _noting,
     _reporting,
     _stop_reason,
@@ -262,10 +263,15 @@ class TrainableRunner:
                 if not deadline.expired():
                     raise  # the agent's own timeout, not ours
                 error = exc
-        if isinstance(error, TimeoutError):
-            await capture.scope.settle()  # the call it cut is recorded once the gateway sees the client go
-        elif error is not None and not await capture.fetch_made_calls():
-            raise error
+            except Exception as exc:
+                _note_outside_call(exc, self.model)
+                raise
+        if error is not None:
+            # A call the error cut (our timeout, a guardrail that tripped mid-call) is recorded once the gateway
+            # sees the client go: wait for it before asking whether the run made any call.
+            await capture.scope.settle()
+            if not isinstance(error, TimeoutError) and not await capture.fetch_made_calls():
+                raise error
         last_agent = result.last_agent if result is not None else _last_agent(error)
         trajectory = await capture.fetch_trajectory(final_output=result.final_output if result is not None else None,
                                                     last_agent=last_agent, error=error)
@@ -438,7 +444,7 @@ class AgentCapture:
         """``trajectory``, with the gateway's records fetched without blocking the event loop."""
         stop_reason, metadata = self._labels(final_output, last_agent, error, stop_reason)
         trajectory = await self.scope.fetch_trajectory(final_state=final_output, stop_reason=stop_reason,
-                                                       metadata=metadata)
+                                                       metadata=metadata, main_caller=metadata.get("last_agent"))
         return self._reported(trajectory, error, metadata)
 
     def trajectory(self, *, final_output: Any = None, last_agent: Agent[Any] | None = None,
@@ -449,7 +455,7 @@ class AgentCapture:
 
         Args:
             final_output: the run's final output (``trajectory.final_state``; also ``metadata["final_output"]``).
-            last_agent: the agent the run ended with (``metadata["last_agent"]``).
+            last_agent: the agent the run ended with (``metadata["last_agent"]``): its history is the main one.
             error: the SDK error that stopped the run, if any: it sets the stop reason and goes to ``logs``.
             stop_reason: why the run stopped early, when ``error`` does not say (e.g. ``"cancelled"``).
 
@@ -457,7 +463,9 @@ class AgentCapture:
             NoTrainableCallsError: the run never called the trainable model.
         """
         stop_reason, metadata = self._labels(final_output, last_agent, error, stop_reason)
-        trajectory = self.scope.trajectory(final_state=final_output, stop_reason=stop_reason, metadata=metadata)
+        # The run's own agent's history is the main one, even when a guardrail's checker called after it.
+        trajectory = self.scope.trajectory(final_state=final_output, stop_reason=stop_reason, metadata=metadata,
+                                           main_caller=metadata.get("last_agent"))
         return self._reported(trajectory, error, metadata)
 
     def _labels(self, final_output: Any, last_agent: Agent[Any] | None, error: BaseException | None,
@@ -592,6 +600,7 @@ class StreamedRun:
             raise
         except BaseException as exc:
             self._failure = self._capture.scope.explained(exc)  # a teacher's failure, in demonstration mode
+            _note_outside_call(self._failure, self._capture.scope.model)
             self._done.set()
             await self._capture._aclose()
             if self._failure is not exc:
@@ -612,9 +621,10 @@ class StreamedRun:
             await self._capture._aclose()
             if self._timed_out and error is None:
                 error = TimeoutError(f"the run took longer than timeout={self._timeout} s")
-                await self._capture.scope.settle()  # the call it cut is recorded once the gateway sees the cut
-            elif error is not None and not await self._capture.fetch_made_calls():
-                raise error
+            if error is not None:
+                await self._capture.scope.settle()  # a call the error cut is recorded once the gateway sees the cut
+                if not isinstance(error, TimeoutError) and not await self._capture.fetch_made_calls():
+                    raise error
             result = self.result
             final_output = result.final_output if error is None else None
             cancelled = error is None and final_output is None  # cancel(): the run ended without an output

@@ -27,11 +27,16 @@ from .types import CallRecord, History, Message, Trajectory
 __all__ = ["Conversation", "trajectory_from_conversations", "trajectory_from_records"]
 
 
-def trajectory_from_records(records: Sequence[ExchangeRecord], **fields: Any) -> Trajectory:
+def trajectory_from_records(records: Sequence[ExchangeRecord], *, main_caller: str | None = None,
+                            **fields: Any) -> Trajectory:
     """One trajectory from a rollout's records (oldest first), histories split where contexts differ.
 
     Args:
         records: the rollout's records, e.g. ``TrainableModel.rollout_records(rollout_id)``.
+        main_caller: the caller (``ExchangeRecord.caller``: an Agents SDK agent's name) the run ended with: the
+            history of its last call is the main one. None, or a caller with no call here: the history of the
+            rollout's last call. (A run's last call is not always its own agent's: an output guardrail's checker
+            agent, or an agent used as a tool that ends the run, calls after it.)
         **fields: other ``Trajectory`` fields (``reward``, ``metadata``...).
 
     Raises:
@@ -48,6 +53,7 @@ def trajectory_from_records(records: Sequence[ExchangeRecord], **fields: Any) ->
         first_choice[record.request_id] = min(record.choice_index, first_choice.get(record.request_id, 1 << 30))
     histories: list[_Open] = []
     last: _Open | None = None
+    last_of_main_caller: _Open | None = None
     for record in records:
         if not record.messages:
             raise TrajectoryError(f"record {record.request_id} holds no conversation (written by an older gateway); "
@@ -58,9 +64,12 @@ def trajectory_from_records(records: Sequence[ExchangeRecord], **fields: Any) ->
         # run ended in its context (a sibling stands in only when choice 0 sampled nothing and was dropped above).
         if record.choice_index == first_choice[record.request_id]:
             last = placed
-    assert last is not None
-    main = last.history()
-    others = [h.history() for h in histories if h is not last]
+            if main_caller is not None and record.caller == main_caller:
+                last_of_main_caller = placed
+    main_open = last_of_main_caller or last
+    assert main_open is not None
+    main = main_open.history()
+    others = [h.history() for h in histories if h is not main_open]
     return Trajectory(messages=main.messages, tools=main.tools, calls=main.calls, additional_histories=others,
                       **fields)
 
@@ -77,11 +86,15 @@ class Conversation(Protocol):
     @property
     def reply(self) -> dict[str, Any]: ...  # the assistant message answered
 
+    @property
+    def caller(self) -> str | None: ...  # who made the call (an Agents SDK agent's name), when known
 
-def trajectory_from_conversations(calls: Sequence[Conversation], **fields: Any) -> Trajectory:
+
+def trajectory_from_conversations(calls: Sequence[Conversation], *, main_caller: str | None = None,
+                                  **fields: Any) -> Trajectory:
     """One trajectory from calls that carry no token ids (a teacher's demonstrations), split into histories
-    exactly as ``trajectory_from_records`` splits a rollout's records; ``calls`` stays empty (the trainer
-    renders the messages with the student's chat template).
+    exactly as ``trajectory_from_records`` splits a rollout's records (``main_caller`` too); ``calls`` stays
+    empty (the trainer renders the messages with the student's chat template).
 
     Raises:
         TrajectoryError: ``calls`` is empty.
@@ -89,13 +102,16 @@ def trajectory_from_conversations(calls: Sequence[Conversation], **fields: Any) 
     if not calls:
         raise TrajectoryError("no calls to build a trajectory from: the run made no model call that was answered")
     histories: list[_Open] = []
-    last = None
+    last = last_of_main_caller = None
     for call in calls:
         last = _place(call.messages, call.tools, call.reply, histories, branch=False, call=None)
-    assert last is not None
-    main = last.history()
+        if main_caller is not None and call.caller == main_caller:
+            last_of_main_caller = last
+    main_open = last_of_main_caller or last
+    assert main_open is not None
+    main = main_open.history()
     return Trajectory(messages=main.messages, tools=main.tools,
-                      additional_histories=[h.history() for h in histories if h is not last], **fields)
+                      additional_histories=[h.history() for h in histories if h is not main_open], **fields)
 
 
 @dataclass

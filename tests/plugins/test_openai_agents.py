@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import pytest_asyncio
 from agents import (
@@ -423,6 +424,43 @@ async def test_guardrails(model: TrainableModel):
     with pytest.raises(InputGuardrailTripwireTriggered):
         await TrainableRunner(model).run(calculator().clone(input_guardrails=[no_questions]), "What is 3 + 4?")
     assert not _routing.installed()
+
+
+async def test_a_guardrails_own_agent_without_the_runs_config_fails_with_a_note_naming_the_fix(
+        model: TrainableModel, monkeypatch: pytest.MonkeyPatch):
+    """As the SDK's guardrail docs write it, without ``current_run_config()``: the checker's call goes to the SDK's
+    default client (here without a key), and its error alone never says why."""
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+
+    @input_guardrail(run_in_parallel=False)
+    async def graded(ctx: RunContextWrapper[Any], agent: Agent[Any], text: Any) -> GuardrailFunctionOutput:
+        result = await Runner.run(grader(), "What is 6 * 7?")
+        return GuardrailFunctionOutput(output_info=None, tripwire_triggered=result.final_output != Answer(answer=42))
+
+    with pytest.raises(openai.OpenAIError) as raised:
+        await TrainableRunner(model).run(calculator().clone(input_guardrails=[graded]), "What is 3 + 4?")
+    (note,) = raised.value.__notes__
+    assert "did not go to the trainable model's gateway" in note and "run_config=current_run_config()" in note
+
+
+async def test_an_output_guardrails_own_agent_calls_last_and_the_runs_agent_stays_the_main_history(
+        model: TrainableModel):
+    """An output guardrail's checker agent makes the run's last call; the main history (what a reward reads) is
+    still the agent the run ended with, not the checker's (it was, before ``main_caller``)."""
+    @output_guardrail
+    async def graded(ctx: RunContextWrapper[Any], agent: Agent[Any], output: str) -> GuardrailFunctionOutput:
+        result = await Runner.run(grader(), "What is 6 * 7?", run_config=current_run_config())
+        return GuardrailFunctionOutput(output_info=None, tripwire_triggered=result.final_output != Answer(answer=42))
+
+    result, trajectory = await TrainableRunner(model).run(calculator().clone(output_guardrails=[graded]),
+                                                          "What is 3 + 4?")
+    assert result is not None and result.final_output == "3 + 4 = 7."
+    assert trajectory.metadata["last_agent"] == result.last_agent.name
+    assert shape(trajectory)[-1] == ("assistant", "3 + 4 = 7.", [])
+    assert {c.caller for c in trajectory.calls} == {result.last_agent.name} and trajectory.tools
+    (checker,) = trajectory.additional_histories
+    assert [c.caller for c in checker.calls] == ["Grader"] and checker.messages[-1].text() == '{"answer": 42}'
+    assert_token_exact(model, trajectory)
 
 
 async def test_a_guardrail_that_runs_its_own_agent_reaches_the_trainable_model(model: TrainableModel):
