@@ -94,7 +94,8 @@ def trajectory_from_conversations(calls: Sequence[Conversation], *, main_caller:
                                   **fields: Any) -> Trajectory:
     """One trajectory from calls that carry no token ids (a teacher's demonstrations), split into histories
     exactly as ``trajectory_from_records`` splits a rollout's records (``main_caller`` too); ``calls`` stays
-    empty (the trainer renders the messages with the student's chat template).
+    empty (the trainer renders the messages with the student's chat template). Assistant messages that were
+    sent rather than answered by these calls get ``"weight": 0``: the replies are what SFT learns.
 
     Raises:
         TrajectoryError: ``calls`` is empty.
@@ -109,9 +110,12 @@ def trajectory_from_conversations(calls: Sequence[Conversation], *, main_caller:
             last_of_main_caller = last
     main_open = last_of_main_caller or last
     assert main_open is not None
-    main = main_open.history()
+    # No token ids: the trainer learns the assistant messages not weighted 0, so only the teacher's replies may
+    # be unweighted (a few-shot example in the prompt, or a turn from before the demonstration, is context).
+    main = main_open.history(replies_only=True)
     return Trajectory(messages=main.messages, tools=main.tools,
-                      additional_histories=[h.history() for h in histories if h is not main_open], **fields)
+                      additional_histories=[h.history(replies_only=True) for h in histories if h is not main_open],
+                      **fields)
 
 
 @dataclass
@@ -123,9 +127,15 @@ class _Open:
     tools: list[dict[str, Any]]
     tools_key: str
     calls: list[CallRecord] = field(default_factory=list)
+    replies: set[int] = field(default_factory=set)
+    """Indices in ``messages`` of the replies this history's calls got (the rest was sent to the model)."""
 
-    def history(self) -> History:
-        return History(messages=[Message.model_validate(m) for m in self.messages], tools=self.tools, calls=self.calls)
+    def history(self, *, replies_only: bool = False) -> History:
+        """The history; ``replies_only``: assistant messages that were sent, not answered here (a prompt's few-shot
+        example, an earlier run's turn), get ``"weight": 0``, so training learns only the replies."""
+        messages = [{**m, "weight": 0} if replies_only and m.get("role") == "assistant" and k not in self.replies
+                    else m for k, m in enumerate(self.messages)]
+        return History(messages=[Message.model_validate(m) for m in messages], tools=self.tools, calls=self.calls)
 
 
 def _place(messages: list[dict[str, Any]], tools: list[dict[str, Any]], reply: dict[str, Any],
@@ -143,6 +153,7 @@ def _place(messages: list[dict[str, Any]], tools: list[dict[str, Any]], reply: d
         histories.append(history)
     history.messages = [*messages, reply]
     history.keys = [*keys, _key(reply)]
+    history.replies.add(len(messages))
     if call is not None:
         history.calls.append(call)
     return history

@@ -206,6 +206,30 @@ async def test_langgraph_demonstration(model: TrainableModel, teacher: StandInTe
     await assert_gateway_untouched(model, trajectory)
 
 
+async def test_a_few_shot_example_in_the_prompt_is_context_not_a_demonstrated_turn(model: TrainableModel,
+                                                                                 teacher: StandInTeacher):
+    """A node that puts a worked example (an ``AIMessage``) in its prompt: the trajectory holds it, weighted 0, so
+    SFT learns only the teacher's replies (with no token ids, every other assistant message would be trained)."""
+    example = [("user", "What is 2 * 3?"), ("assistant", "2 * 3 = 6.")]
+    llm = ChatOpenAI(model="agent", base_url=f"{UNREACHABLE}/{uuid.uuid4().hex[:8]}", api_key="unused",
+                     max_tokens=64, max_retries=0).bind_tools([multiply])
+
+    async def think(state: State) -> dict[str, Any]:
+        return {"messages": [await llm.ainvoke([*example, *state["messages"]])]}
+
+    builder = StateGraph(State)
+    builder.add_node("think", think)
+    builder.add_node("tools", ToolNode([multiply]))
+    builder.add_edge(START, "think")
+    builder.add_conditional_edges("think", tools_condition)
+    builder.add_edge("tools", "think")
+    async with trainable(builder.compile(), model).demonstrations(teacher.as_teacher()) as demo:
+        trajectory = await demo.rollout({"messages": [("user", QUESTION)]})
+    weights = [(m.role, m.text() or None, (m.model_extra or {}).get("weight")) for m in trajectory.messages
+               if m.role == "assistant"]
+    assert weights == [("assistant", "2 * 3 = 6.", 0), ("assistant", None, None), ("assistant", ANSWER, None)]
+
+
 async def test_litellm_teacher(model: TrainableModel, teacher: StandInTeacher, monkeypatch: pytest.MonkeyPatch):
     """A litellm model string: litellm's OpenAI provider, pointed at the stand-in by its usual variables."""
     monkeypatch.setenv("OPENAI_API_BASE", teacher.base_url)
