@@ -247,7 +247,8 @@ async def _run(graph: Any, input: Any, config: dict[str, Any], method: Method, p
             elif event["event"] == "on_chain_end":
                 progress.state = event["data"].get("output")
                 # The other methods' final state carries the interrupts; the root's end event leaves them out.
-                if interrupts is not None and isinstance(progress.state, dict):
+                # (A static breakpoint, interrupt_before=[...], streams an empty tuple: no key, as for the others.)
+                if interrupts and isinstance(progress.state, dict):
                     progress.state = {**progress.state, "__interrupt__": interrupts}
 
 

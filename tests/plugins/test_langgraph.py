@@ -289,6 +289,26 @@ async def test_an_interrupted_run_says_so_in_its_final_state_whatever_the_method
     assert trajectory.final_state["messages"][-1].content == "The answer is 14."
 
 
+@pytest.mark.parametrize("method", ["invoke", "ainvoke", "astream", "astream_events"])
+async def test_a_static_breakpoint_leaves_the_same_final_state_whatever_the_method(model, method):
+    """``interrupt_before=[...]`` stops before a node without an ``interrupt()``: LangGraph's own final state has no
+    ``__interrupt__`` then, and ``astream_events`` (which streams an empty tuple for it) must not add one."""
+    agent_graph = react_graph()
+
+    def solve(state: State) -> dict[str, Any]:
+        return {"messages": agent_graph.invoke({"messages": state["messages"]})["messages"]}
+
+    def send(state: State) -> dict[str, Any]:
+        return {}
+
+    graph = (StateGraph(State).add_sequence([solve, send]).add_edge(START, "solve")
+             .compile(checkpointer=MemorySaver(), interrupt_before=["send"]))
+    trajectory = await trainable(graph, model).rollout(
+        REACT_INPUT, method=method, config={"configurable": {"thread_id": uuid.uuid4().hex}})
+    assert "__interrupt__" not in trajectory.final_state
+    assert trajectory.final_state["messages"][-1].content == "The answer is 14."
+
+
 async def test_a_scope_around_the_users_own_stream(model):
     agent = trainable(react_graph(), model)
     with agent.capture() as run:
