@@ -176,15 +176,16 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
-def calculator_graph(**llm_options: Any) -> Any:
-    """A ReAct loop: the chat model (the trainable "agent") with ``multiply``, and a ToolNode."""
+def calculator_graph(few_shot: list[tuple[str, str]] | None = None, **llm_options: Any) -> Any:
+    """A ReAct loop: the chat model (the trainable "agent") with ``multiply``, and a ToolNode; ``few_shot``
+    messages go before the state's in every prompt."""
     # A base URL of its own: langchain_openai caches one httpx client per base URL, whose pooled connections
     # belong to the event loop of the test that opened them.
     llm = ChatOpenAI(model="agent", base_url=f"{UNREACHABLE}/{uuid.uuid4().hex[:8]}", api_key="unused",
                      max_tokens=64, max_retries=0, **llm_options).bind_tools([multiply])
 
     async def think(state: State) -> dict[str, Any]:
-        return {"messages": [await llm.ainvoke(state["messages"])]}
+        return {"messages": [await llm.ainvoke([*(few_shot or []), *state["messages"]])]}
 
     builder = StateGraph(State)
     builder.add_node("think", think)
@@ -210,20 +211,8 @@ async def test_a_few_shot_example_in_the_prompt_is_context_not_a_demonstrated_tu
                                                                                  teacher: StandInTeacher):
     """A node that puts a worked example (an ``AIMessage``) in its prompt: the trajectory holds it, weighted 0, so
     SFT learns only the teacher's replies (with no token ids, every other assistant message would be trained)."""
-    example = [("user", "What is 2 * 3?"), ("assistant", "2 * 3 = 6.")]
-    llm = ChatOpenAI(model="agent", base_url=f"{UNREACHABLE}/{uuid.uuid4().hex[:8]}", api_key="unused",
-                     max_tokens=64, max_retries=0).bind_tools([multiply])
-
-    async def think(state: State) -> dict[str, Any]:
-        return {"messages": [await llm.ainvoke([*example, *state["messages"]])]}
-
-    builder = StateGraph(State)
-    builder.add_node("think", think)
-    builder.add_node("tools", ToolNode([multiply]))
-    builder.add_edge(START, "think")
-    builder.add_conditional_edges("think", tools_condition)
-    builder.add_edge("tools", "think")
-    async with trainable(builder.compile(), model).demonstrations(teacher.as_teacher()) as demo:
+    graph = calculator_graph(few_shot=[("user", "What is 2 * 3?"), ("assistant", "2 * 3 = 6.")])
+    async with trainable(graph, model).demonstrations(teacher.as_teacher()) as demo:
         trajectory = await demo.rollout({"messages": [("user", QUESTION)]})
     weights = [(m.role, m.text() or None, (m.model_extra or {}).get("weight")) for m in trajectory.messages
                if m.role == "assistant"]
