@@ -34,7 +34,7 @@ demo: $(VENV)/.installed
 	$(PY) -m examples.langgraph_tools
 
 # Two pytest-xdist workers, one torch thread each, the processes tests start too (tests/conftest.py says why):
-# the suite's ~936 tests took 19.7 and 21.9 min in two quiet runs on this 2-core machine. --dist loadfile keeps
+# the suite's ~936 tests took 19.7-23.5 min in three quiet runs on this 2-core machine. --dist loadfile keeps
 # a module's tests, and its module-scoped servers and clusters, in one worker, in file order; the slow modules
 # start first (tests/module_order.py: xdist's own order put the learning test last, alone). Latency figures
 # (marker `alone`) run afterwards in a run of their own: beside another worker's training step they would
