@@ -66,10 +66,7 @@ def trajectory_from_records(records: Sequence[ExchangeRecord], *, main_caller: s
             last = placed
             if main_caller is not None and record.caller == main_caller:
                 last_of_main_caller = placed
-    main_open = last_of_main_caller or last
-    assert main_open is not None
-    main = main_open.history()
-    others = [h.history() for h in histories if h is not main_open]
+    main, others = _main_and_others(histories, last_of_main_caller or last)
     return Trajectory(messages=main.messages, tools=main.tools, calls=main.calls, additional_histories=others,
                       **fields)
 
@@ -108,14 +105,18 @@ def trajectory_from_conversations(calls: Sequence[Conversation], *, main_caller:
         last = _place(call.messages, call.tools, call.reply, histories, branch=False, call=None)
         if main_caller is not None and call.caller == main_caller:
             last_of_main_caller = last
-    main_open = last_of_main_caller or last
-    assert main_open is not None
     # No token ids: the trainer learns the assistant messages not weighted 0, so only the teacher's replies may
     # be unweighted (a few-shot example in the prompt, or a turn from before the demonstration, is context).
-    main = main_open.history(replies_only=True)
-    return Trajectory(messages=main.messages, tools=main.tools,
-                      additional_histories=[h.history(replies_only=True) for h in histories if h is not main_open],
-                      **fields)
+    main, others = _main_and_others(histories, last_of_main_caller or last, replies_only=True)
+    return Trajectory(messages=main.messages, tools=main.tools, additional_histories=others, **fields)
+
+
+def _main_and_others(histories: list[_Open], main: _Open | None, *,
+                     replies_only: bool = False) -> tuple[History, list[History]]:
+    """The main history and the others, in order."""
+    assert main is not None
+    return (main.history(replies_only=replies_only),
+            [h.history(replies_only=replies_only) for h in histories if h is not main])
 
 
 @dataclass

@@ -119,14 +119,14 @@ class ServesModels:
                      temperature: float, tools: list[dict[str, Any]] | None, seed: int | None) -> list[Trajectory]:
         slot = self._models.get(model)
         messages = list(messages)
-        chat_messages(messages, where="sample()")  # a server's client may send anything: a 400, not a 500
+        chat = chat_messages(messages, where="sample()")  # a server's client may send anything: a 400, not a 500
         tokenizer = slot.engine.tokenizer
         prompt = render_chat(tokenizer, messages, tools)
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)
         async with slot.steps.serving():  # a step in progress: sample the checkpoint it writes
             # Through the engine's queue, like every gateway request: one decode loop owns the module.
             completions = await slot.engine.generate(prompt, params)
-        return sampled_trajectories(tokenizer, messages, tools, prompt, completions)
+        return sampled_trajectories(tokenizer, chat, tools, prompt, completions)
 
     # -- the model's folder ------------------------------------------------------------------------------
 
@@ -154,10 +154,10 @@ def render_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], tools: list[
     return list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
 
 
-def sampled_trajectories(tokenizer: Any, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None,
+def sampled_trajectories(tokenizer: Any, chat: Sequence[Message], tools: list[dict[str, Any]] | None,
                          prompt: list[int], completions: Sequence[EngineOutput]) -> list[Trajectory]:
-    """One trajectory per completion: the chat, the reply, and the call's token-exact record."""
-    chat = [Message.model_validate(m) for m in messages]
+    """One trajectory per completion: the chat (checked by ``chat_messages``), the reply, and the call's
+    token-exact record."""
     return [Trajectory(
         messages=[*chat, Message(role="assistant", content=tokenizer.decode(c.token_ids, skip_special_tokens=True))],
         tools=tools or [],
