@@ -2,8 +2,8 @@
 
 `make test` runs ``-n 2 --dist loadfile``: each module goes whole to one worker, in the order of the controller's
 work queue. pytest-xdist orders that queue by tests per module (``--loadscope-reorder``, its default), so the
-learning test, a module of one test that takes ~6 minutes, started last and ran alone while the other worker
-idled (several minutes of the suite). Here the modules with a ``slow`` test start first and the others follow
+learning test, a module of one test that took ~6 minutes then (~2.5 now), started last and ran alone while the
+other worker idled (several minutes of the suite). Here the modules with a ``slow`` test start first and the others follow
 in xdist's order (most tests first), so the other worker works through them meanwhile.
 
 Why not every module by its measured seconds, longest first: tried, and it paired the heavy modules with each
