@@ -5,7 +5,7 @@ add two numbers from 1 to 30 and answer with the number alone; 10 steps of 4 que
 temperature 1 on the real ``LocalBackend`` (gateway, engine, trainer, checkpoints); held-out success over 40
 other questions x 4 answers at temperature 0.7. Both evaluations are seeded, so "before" is the same draw in
 every run (15.0%); training on CPU is not bit-reproducible (the engine batches requests as they arrive), so
-"after" varies: 30.6-70.0% over five runs of seed 0 on this machine.
+"after" varies: 30.6-70.0% over ten runs of seed 0 on this machine (median 58%).
 
 The LangGraph agent that ``make demo`` trains learns too, and more (30% -> 85-100% in 5 steps), but its run with
 two 40-run evaluations took 7-8 of the suite's 21 minutes: it is measured by ``tests/benchmarks/learning.py``
