@@ -300,9 +300,10 @@ async def test_aclose_stops_the_process(engine: Any) -> None:
     pid = engine.process.pid
     # vLLM's ZeroMQ sockets are in a temp folder of the server's own, which goes with it.
     assert engine.temp_dir.is_dir() and any(p.is_socket() for p in engine.temp_dir.iterdir())
+    assert engine.log_path.is_file()  # a temp file of its own (no log_path given): it goes with a clean stop
     await engine.aclose()
     assert engine.process.poll() is not None
-    assert not engine.temp_dir.exists()
+    assert not engine.temp_dir.exists() and not engine.log_path.exists()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     with pytest.raises(ProcessLookupError):

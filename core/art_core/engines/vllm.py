@@ -106,7 +106,7 @@ class VLLMEngine:
 
     def __init__(self, *, process: subprocess.Popen[bytes], port: int, log_path: Path, tokenizer: Any,
                  sleep_mode: bool, request_timeout: float, adapters: AdapterMode = "lora",
-                 temp_dir: Path | None = None) -> None:
+                 temp_dir: Path | None = None, own_log: bool = False) -> None:
         self.tokenizer = tokenizer
         self.adapters: AdapterMode = adapters
         self.process = process
@@ -119,6 +119,9 @@ class VLLMEngine:
             trust_env=False,  # loopback: never go through a proxy from the environment
         )
         self.temp_dir = temp_dir  # the server's TMPDIR, removed by aclose()
+        # A log made by start() (no log_path given) goes with a server that ran and stopped cleanly; one that an
+        # error message named (the server died, or never became healthy) stays for the reader.
+        self._remove_log_on_close = own_log
         self._state = _State.RUNNING
         self._adapter_step = 0
         self._model_name = BASE_MODEL_NAME
@@ -177,7 +180,8 @@ class VLLMEngine:
             startup_timeout: seconds to wait for ``/health`` (startup takes ~2 min on 2 CPU cores).
             tokenizer: the model's tokenizer (default: loaded from ``model_dir`` with transformers).
             sleep_mode: start with ``--enable-sleep-mode`` so ``pause()`` frees accelerator memory (GPU only).
-            log_path: where the server's stdout and stderr go (default: a new temp file).
+            log_path: where the server's stdout and stderr go (default: a new temp file, removed by ``aclose``
+                when the server ran and stopped cleanly, kept when it died or never became healthy).
             request_timeout: seconds one HTTP request to the server may take.
             gpu_memory_utilization: fraction of the GPU vLLM may take for weights and KV cache
                 (``--gpu-memory-utilization``); None: vLLM's default (0.9). Ignored by the CPU build.
@@ -198,6 +202,7 @@ class VLLMEngine:
             raise ConfigError(f"{model_dir} is not a Hugging Face model folder (no config.json)")
         interpreter = find_vllm_python(python)
         port = port or _free_port()
+        own_log = log_path is None
         if log_path is None:
             fd, name = tempfile.mkstemp(prefix=f"vllm-{port}-", suffix=".log")
             os.close(fd)
@@ -265,10 +270,11 @@ class VLLMEngine:
                 shutil.rmtree(private_tmp, ignore_errors=True)
                 raise
         engine = cls(process=process, port=port, log_path=log_path, tokenizer=tokenizer, sleep_mode=sleep_mode,
-                     request_timeout=request_timeout, adapters=adapters, temp_dir=private_tmp)
+                     request_timeout=request_timeout, adapters=adapters, temp_dir=private_tmp, own_log=own_log)
         try:
             await engine._wait_healthy(startup_timeout)
         except BaseException:
+            engine._remove_log_on_close = False  # the error names the log
             await engine.aclose()
             raise
         return engine
@@ -290,6 +296,8 @@ class VLLMEngine:
             await asyncio.sleep(1.0)
 
     def _log_tail(self, lines: int = 40) -> str:
+        """The log's last ``lines``, for an error message; a log an error quoted is kept at ``aclose``."""
+        self._remove_log_on_close = False
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError as exc:
@@ -318,6 +326,7 @@ class VLLMEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._probe
         await self._client.aclose()
+        exited_before = self.process.poll() is not None  # it died on its own: its log says why
         # The group's id is our child's pid. It cannot name anyone else's group even after the leader
         # exits: Linux does not reuse a pid while a process group of that id exists.
         _signal_group(self.process, signal.SIGTERM)
@@ -326,6 +335,8 @@ class VLLMEngine:
             await self._wait_group_gone(10.0)
         if self.temp_dir is not None:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
+        if self._remove_log_on_close and not exited_before:
+            self.log_path.unlink(missing_ok=True)
 
     async def _wait_group_gone(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
