@@ -20,6 +20,7 @@ import torch
 from art_core import (LocalBackend, RolloutError, TrainableModel, TrainConfig, TrajectoryError, TrajectoryGroup,
                       pipeline)
 from art_core._cpu import onednn_packing_available
+from art_core.errors import ConfigError
 from art_core.backends import TransformersOptions
 
 sys.path.insert(0, str(Path(__file__).parent / "backends"))
@@ -386,3 +387,34 @@ async def test_the_pipeline_prepares_the_trainer_while_the_first_rollouts_run(mo
     finally:
         del work.prepare, work.train
     assert events == ["rollout", "prepare", "prepared", "train 1"]
+
+
+async def test_tasks_that_run_out_say_how_many_steps_ran_and_every_rollout_failing_raises(
+        model: TrainableModel) -> None:
+    async def play(task: int) -> TrajectoryGroup:
+        return await _play_sample(model)
+
+    with pytest.warns(UserWarning, match=r"tasks ran out after 1 of 2 step\(s\) \(1 group\(s\) left untrained.*"
+                                         r"itertools.cycle") as caught:
+        report = await pipeline(model, range(3), play, steps=2, groups_per_step=2, max_off_policy=0,
+                                concurrency=2, config=CONFIG, log=None)
+    assert len(report.steps) == 1 and model.step == 1
+    assert [Path(w.filename).name for w in caught if "ran out" in str(w.message)] == [Path(__file__).name]
+
+    async def broken(task: int) -> TrajectoryGroup:  # a finite dataset, shorter than max_failures_in_a_row
+        raise KeyError("no such tool")
+
+    with pytest.raises(RolloutError, match=r"ran out with every rollout failed \(5 of 5, 0 step.*KeyError") as failed:
+        await pipeline(model, range(5), broken, steps=2, groups_per_step=2, config=CONFIG, log=None)
+    assert isinstance(failed.value.__cause__, KeyError) and model.step == 1
+
+
+async def test_play_returning_something_else_than_a_group_is_a_failure_naming_the_fix(model: TrainableModel) -> None:
+    async def play(task: int) -> Any:
+        return list((await _play_sample(model)).trajectories)  # forgot TrajectoryGroup(...)
+
+    with pytest.raises(RolloutError, match=r"returned list, not a TrajectoryGroup: return TrajectoryGroup"):
+        await pipeline(model, itertools.count(), play, steps=1, groups_per_step=1, concurrency=1,
+                       max_failures_in_a_row=2, config=CONFIG, log=None)
+    with pytest.raises(ConfigError, match=r"pipeline\(steps=True\): give an int >= 1"):
+        await pipeline(model, itertools.count(), play, steps=True, groups_per_step=1)

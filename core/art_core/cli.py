@@ -15,11 +15,18 @@ app = typer.Typer(help="art-core: GRPO training of LoRA adapters for agents.", n
                   add_completion=False)
 
 
+def _positive(value: float) -> float:
+    if value <= 0:
+        raise typer.BadParameter(f"{value} is not > 0 (e.g. 1e-3)")
+    return value
+
+
 @app.command()
 def demo(
-    steps: int = typer.Option(10, help="GRPO steps."),
-    group_size: int = typer.Option(8, help="Sampled answers per question."),
-    learning_rate: float = typer.Option(1e-3, help="AdamW learning rate of the LoRA adapter."),
+    steps: int = typer.Option(10, min=1, help="GRPO steps."),
+    # One answer per question leaves GRPO nothing to compare: every group would be dropped.
+    group_size: int = typer.Option(8, min=2, help="Sampled answers per question."),
+    learning_rate: float = typer.Option(1e-3, callback=_positive, help="AdamW learning rate of the LoRA adapter."),
     path: Path = typer.Option(Path(".art"), help="Where checkpoints, trajectories and history go."),
     base_model: str = typer.Option("smollm2-135m-instruct", help="Local model folder or registered name."),
     threads: int = typer.Option(0, help="torch threads (0: as many as cores)."),

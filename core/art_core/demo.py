@@ -27,6 +27,7 @@ from rich.table import Table
 
 from .backends.local import LocalBackend
 from .config import TrainConfig
+from .errors import ConfigError
 from .model import EMBEDDED_MODEL, TrainableModel
 from .types import TrajectoryGroup
 
@@ -121,6 +122,10 @@ async def run_demo(*, steps: int = 10, tasks_per_step: int = 4, group_size: int 
         seed: seeds the questions and the sampling.
         console: where to print (a rich Console).
     """
+    for what, value, least in (("steps", steps, 1), ("tasks_per_step", tasks_per_step, 1),
+                               ("group_size", group_size, 2), ("held_out", held_out, 1), ("max_tokens", max_tokens, 1)):
+        if value < least:  # a group of one answer has nothing to compare: GRPO would drop every group
+            raise ConfigError(f"run_demo({what}={value}): give {least} or more")
     console = console or Console()
     config = config or TrainConfig(learning_rate=1e-3)
     started = time.perf_counter()

@@ -46,6 +46,7 @@ import asyncio
 import contextlib
 import math
 import time
+import warnings
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -184,7 +185,8 @@ async def pipeline(model: TrainableModel, tasks: Iterable[T], play: Callable[[T]
     Args:
         model: a registered model (any backend).
         tasks: what to roll out, in order (``itertools.cycle(tasks)`` for epochs). If it runs out, the steps that
-            can still be filled run, then the pipeline returns.
+            can still be filled run, then the pipeline returns with a warning saying how many ran (a
+            ``RolloutError`` when not one rollout succeeded).
         play: one task -> one ``TrajectoryGroup`` (its rollouts and rewards).
         steps: training steps to run.
         groups_per_step: groups each step trains on.
@@ -203,7 +205,7 @@ async def pipeline(model: TrainableModel, tasks: Iterable[T], play: Callable[[T]
     Raises:
         ConfigError: a count is below 1 or ``max_off_policy`` is negative (before any rollout).
         RolloutError: ``max_failures_in_a_row`` rollouts failed in a row (the steps already handed to the backend
-            finished first); the last failure is its ``__cause__``.
+            finished first), or the tasks ran out with every rollout failed; the last failure is its ``__cause__``.
         Exception: what a step raised; the pipeline stopped there, that step's trajectories are on disk.
         asyncio.CancelledError: the pipeline was cancelled (a step in progress finished first).
     """
@@ -212,7 +214,7 @@ async def pipeline(model: TrainableModel, tasks: Iterable[T], play: Callable[[T]
     for name, value, low in (("steps", steps, 1), ("groups_per_step", groups_per_step, 1),
                              ("concurrency", concurrency, 1), ("max_off_policy", max_off_policy, 0),
                              ("max_failures_in_a_row", max_failures_in_a_row, 1)):
-        if not isinstance(value, int) or value < low:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigError(f"pipeline({name}={value!r}): give an int >= {low}")
     settings = (config or TrainConfig()).model_copy(update={"max_off_policy": max_off_policy})
     return await _Pipeline(model, iter(tasks), play, steps, groups_per_step, max_off_policy, concurrency, settings,
@@ -242,6 +244,7 @@ class _Pipeline(Generic[T]):
         self.gave_up: RolloutError | None = None  # set when that count reaches the limit: run() raises it
         self.started = 0  # rollouts started, in order: a ready group's place among equally stale ones
         self.exhausted = False
+        self.succeeded = 0  # rollouts whose group came back
         self.prepared: asyncio.Task[None] | None = None  # the trainer's preparation (run), awaited by each step
 
     async def run(self) -> PipelineReport:
@@ -280,7 +283,23 @@ class _Pipeline(Generic[T]):
         for task in self.rollouts:  # enough steps: rollouts still running are not needed
             task.cancel()
         await asyncio.gather(*self.rollouts, return_exceptions=True)
+        if self.done_steps < self.steps:
+            self._ran_out()
         return self.report
+
+    def _ran_out(self) -> None:
+        """The tasks ran out before ``steps`` steps: say so (a finite dataset is fine; a broken ``play`` is not)."""
+        failed = self.report.rollouts_failed
+        if failed and self.succeeded == 0:
+            last = self.report.failures[-1]
+            error = RolloutError(
+                f"pipeline: the tasks ran out with every rollout failed ({failed} of {failed}, 0 step(s) done); the "
+                f"last: {type(last).__name__}: {last}. Fix play() or what it calls (its traceback is the cause below)")
+            raise error from last
+        warnings.warn(
+            f"pipeline: the tasks ran out after {self.done_steps} of {self.steps} step(s) ({len(self.ready)} group(s) "
+            f"left untrained, fewer than groups_per_step={self.per_step}; {failed} rollout(s) failed): pass "
+            f"itertools.cycle(tasks) for more than one pass, or ask for fewer steps", stacklevel=4)  # at the await pipeline(...) line
 
     def _start_rollouts(self) -> None:
         # Admit while the groups started would all be trained within `bound` steps of the checkpoint sampling them.
@@ -305,6 +324,9 @@ class _Pipeline(Generic[T]):
         with self.clock.rolling_out():
             try:
                 group = await self.play(task)
+                if not isinstance(group, TrajectoryGroup):
+                    raise ConfigError(f"play({task!r}) returned {type(group).__name__}, not a TrajectoryGroup: "
+                                      f"return TrajectoryGroup(trajectories)")
                 if len(group) == 0:
                     first = f"; the first: {group.exceptions[0]}" if group.exceptions else ""
                     raise ValueError(f"every rollout of the group failed ({len(group.exceptions)} exception(s)"
@@ -325,6 +347,7 @@ class _Pipeline(Generic[T]):
                     self.gave_up.__cause__ = exc
                 return
         self.failed_in_a_row = 0
+        self.succeeded += 1
         self.ready.append(_Ready(group, order))
 
     async def _step(self, groups: list[TrajectoryGroup]) -> None:
