@@ -143,7 +143,8 @@ async def run_demo(*, steps: int = 10, tasks_per_step: int = 4, group_size: int 
             batch = train_tasks[step * tasks_per_step:(step + 1) * tasks_per_step]
             t0 = time.perf_counter()
             groups = await asyncio.gather(*(  # sampled at once, as the held-out tasks are
-                _rewarded_group(model, task, n=group_size, max_tokens=max_tokens, seed=seed * 1_000_003 + step * 101 + k)
+                _rewarded_group(model, task, n=group_size, max_tokens=max_tokens,
+                                seed=seed * 1_000_003 + step * 101 + k)
                 for k, task in enumerate(batch)))
             metrics = await model.train(groups, config=config)
             rewards.append(metrics["reward_mean"])

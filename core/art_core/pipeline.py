@@ -296,10 +296,10 @@ class _Pipeline(Generic[T]):
                 f"pipeline: the tasks ran out with every rollout failed ({failed} of {failed}, 0 step(s) done); the "
                 f"last: {type(last).__name__}: {last}. Fix play() or what it calls (its traceback is the cause below)")
             raise error from last
-        warnings.warn(
+        warnings.warn(  # stacklevel 4: the caller's `await pipeline(...)` line
             f"pipeline: the tasks ran out after {self.done_steps} of {self.steps} step(s) ({len(self.ready)} group(s) "
             f"left untrained, fewer than groups_per_step={self.per_step}; {failed} rollout(s) failed): pass "
-            f"itertools.cycle(tasks) for more than one pass, or ask for fewer steps", stacklevel=4)  # at the await pipeline(...) line
+            f"itertools.cycle(tasks) for more than one pass, or ask for fewer steps", stacklevel=4)
 
     def _start_rollouts(self) -> None:
         # Admit while the groups started would all be trained within `bound` steps of the checkpoint sampling them.
