@@ -382,3 +382,27 @@ def test_bf16_base_matmuls_warn_once_on_a_cpu_that_emulates_bf16(tiny_model_dir,
     assert [emulated_warnings(trainer), emulated_warnings(trainer)] == [1, 0]  # once per trainer
     monkeypatch.setattr(trainer_module, "cpu_has_native_bf16", lambda: True)
     assert emulated_warnings(GRPOTrainer(*load_policy(tiny_model_dir, LoraSettings(), device="cpu"))) == 0
+
+
+def test_no_forward_of_ours_uses_the_deprecated_cache_name(tiny_model_dir):
+    """transformers 5 renamed a forward's ``past_key_values`` to ``cache`` and warns on the old name (gone in 5.40):
+    a training step through every prefix path (the root, packed groups' prompts, their micro-batches) and a decode
+    batch (prefill, rows joining, steps) pass the KV cache by the installed release's name, so none warns."""
+    import warnings
+
+    from art_core.engines._batch import RunningBatch
+
+    system = torch.randint(10, 1000, (24,), generator=torch.Generator().manual_seed(9)).tolist()
+    groups = [_group(4, prompt_len=12, system=system), _group(5, prompt_len=7, completions=(4, 8, 6), system=system)]
+    model, tokenizer = load_policy(tiny_model_dir, LoraSettings(), device="cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # past the once-per-location registry
+        GRPOTrainer(model, tokenizer).train_step(groups, TrainConfig(micro_batch_tokens=16, pack_groups=True))
+        with torch.no_grad():
+            batch = RunningBatch(model, pad_id=0)
+            batch.add([system[:5]], copies=[2])
+            batch.step(torch.tensor([11, 12]))
+            batch.add([system[:9]], copies=[1])
+            batch.step(torch.tensor([13, 14, 15]))
+    assert batch.logits is not None and batch.logits.shape[0] == 3
+    assert [str(w.message) for w in caught if "past_key_values" in str(w.message)] == []

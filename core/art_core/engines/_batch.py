@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from .._kv_cache import CACHE_ARG, cache_of
 from ._prefix import PrefixCache, PromptState
 
 __all__ = ["RunningBatch"]
@@ -161,8 +162,8 @@ class RunningBatch:
         self._attention = torch.cat([self._attention, torch.ones_like(self._attention[:, :1])], dim=1)
         self._positions = self._positions + 1
         out = self.model(input_ids=next_ids[:, None].to(self.device), attention_mask=self._attention,
-                         position_ids=self._positions, past_key_values=self._cache, use_cache=True)
-        self._cache, self.logits = out.past_key_values, out.logits[:, -1].float()
+                         position_ids=self._positions, use_cache=True, **{CACHE_ARG: self._cache})
+        self._cache, self.logits = cache_of(out), out.logits[:, -1].float()
 
     def _prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
@@ -175,7 +176,7 @@ class RunningBatch:
         positions = (attention.cumsum(-1) - 1).clamp(min=0)  # pads must not shift positions
         out = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True,
                          logits_to_keep=1)
-        return out.past_key_values, attention, positions[:, -1:], out.logits[:, -1].float()
+        return cache_of(out), attention, positions[:, -1:], out.logits[:, -1].float()
 
 
 class _SlotLayer(DynamicLayer):

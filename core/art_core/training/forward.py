@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from .._kv_cache import CACHE_ARG, cache_of
 from .batching import MicroBatch
 from .fused_lora import fused_lora, head_copy
 from .lean_forward import SwiGLU, lean_forward, lean_mlp, native_gqa_attention
@@ -115,13 +116,13 @@ class SharedPrefix(_PromptStates):
                 raise ValueError(f"a prefix of {self.length} tokens does not extend its parent's "
                                  f"{parent.length}: build it without the parent")
             start = parent.length
-            kwargs = {"past_key_values": parent.cache_for(1, model.config),
+            kwargs = {CACHE_ARG: parent.cache_for(1, model.config),
                       "position_ids": torch.arange(start, self.length, device=device)[None]}
         ids = torch.tensor([self.ids[start:]], device=device)
         with torch.set_grad_enabled(grad), fused_lora(model), lean_forward(model):
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **kwargs)
         outputs: list[torch.Tensor] = [out.logits[0, -1]]  # [V]: predicts the first token after the prefix
-        for layer in out.past_key_values.layers:
+        for layer in cache_of(out).layers:
             outputs += [layer.keys, layer.values]  # [1, kv_heads, P, head_dim] each
         self._keep(outputs, grad)
 
@@ -169,14 +170,14 @@ class PrefixBatch(_PromptStates):
             "attention_mask": attention.to(device),
             "position_ids": torch.arange(start, self.length, device=device).expand(rows, -1)}
         if parent is not None:
-            kwargs["past_key_values"] = parent.cache_for(rows, model.config)
+            kwargs[CACHE_ARG] = parent.cache_for(rows, model.config)
         last = self.lengths - start - 1  # each prompt's last position in this forward
         keep = torch.unique(last)  # sorted: the positions whose logits are wanted
         with torch.set_grad_enabled(grad), fused_lora(model), lean_forward(model, start):
             out = model(input_ids=ids.to(device), use_cache=True, logits_to_keep=keep, **kwargs)
         # [G, V]: row g predicts the first token after prompt g
         outputs = [out.logits[torch.arange(rows, device=device), torch.searchsorted(keep, last)]]
-        for layer in out.past_key_values.layers:
+        for layer in cache_of(out).layers:
             outputs += [layer.keys, layer.values]  # [G, kv_heads, P, head_dim] each
         self._keep(outputs, grad)
 
@@ -231,12 +232,12 @@ def micro_batch_logprobs(
         kwargs["position_ids"] = starts[:, None] + torch.arange(t, device=device)
         own = (torch.arange(p, device=device) < starts[:, None]).to(attention.dtype)  # [B, P]: padding masked
         kwargs["attention_mask"] = torch.cat([own, attention], dim=1)
-        kwargs["past_key_values"] = prefix.cache_for_rows(prompt_rows, model.config)
+        kwargs[CACHE_ARG] = prefix.cache_for_rows(prompt_rows, model.config)
     elif prefix is not None:
         p = shared_length = prefix.length
         kwargs["position_ids"] = torch.arange(p, p + t, device=device).expand(b, t)
         kwargs["attention_mask"] = torch.cat([torch.ones(b, p, dtype=attention.dtype, device=device), attention], dim=1)
-        kwargs["past_key_values"] = prefix.cache_for(b, model.config)
+        kwargs[CACHE_ARG] = prefix.cache_for(b, model.config)
     # Trained positions 1..T-1, found on the host (batch tensors live there): no device sync.
     rows, cols = batch.trained[:, 1:].nonzero(as_tuple=True)  # position cols+1 is predicted by cols
     rows, cols = rows.to(device), cols.to(device)
