@@ -41,6 +41,8 @@ def test_cli_lists_models():
     (["--steps", "0"], "'--steps'"),
     (["--group-size", "1"], "'--group-size'"),  # one answer per question: nothing for GRPO to compare
     (["--learning-rate", "-1"], "'--learning-rate': -1.0 is not > 0"),
+    (["--threads", "-1"], "'--threads'"),
+    (["--path", __file__], "is a file"),  # it would end in NotADirectoryError's traceback mid-run
 ])
 def test_cli_demo_refuses_bad_values_before_loading_anything(args: list[str], message: str) -> None:
     out = subprocess.run([sys.executable, "-m", "art_core.cli", "demo", *args], capture_output=True, text=True,
@@ -55,3 +57,30 @@ async def test_run_demo_refuses_a_group_of_one_answer(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"run_demo\(group_size=1\): give 2 or more"):
         await run_demo(group_size=1, path=tmp_path)
     assert not any(tmp_path.iterdir())  # refused before any work
+
+
+async def test_a_backend_path_that_cannot_be_a_folder_is_refused_at_register_naming_it(tmp_path: Path) -> None:
+    from art_core import LocalBackend, TrainableModel
+    from art_core.errors import ConfigError
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    model = TrainableModel(name="m", project="p", base_model="no-such-model")  # refused before it is looked up
+    async with LocalBackend(path=a_file / "runs") as backend:
+        with pytest.raises(ConfigError, match=r"LocalBackend\(path='.*a-file/runs'\) cannot make the folder of "
+                                              r"model 'm'.*NotADirectoryError.*give path= a folder"):
+            await model.register(backend)
+
+
+def test_the_cli_prints_a_warning_as_one_line_and_restores_the_display_after(capsys) -> None:
+    """A warning of ours raised under ``art-core demo`` points at no line of the user's (it named a typer frame)."""
+    import warnings
+
+    from art_core.cli import warnings_as_lines
+    from art_core.training.advantages import ZeroVarianceGroupsWarning
+
+    before = warnings.showwarning
+    with warnings_as_lines():
+        warnings.warn(ZeroVarianceGroupsWarning("1 of 4 group(s) had equal rewards"), stacklevel=1)
+    assert capsys.readouterr().err == "warning: ZeroVarianceGroupsWarning: 1 of 4 group(s) had equal rewards\n"
+    assert warnings.showwarning is before

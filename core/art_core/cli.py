@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -21,25 +26,46 @@ def _positive(value: float) -> float:
     return value
 
 
+@contextlib.contextmanager
+def warnings_as_lines() -> Iterator[None]:
+    """Within: a warning prints as ``warning: <Category>: <message>``. Our warnings point at the user's line that
+    caused them; run from the command line there is none, and they would name a frame of typer's instead."""
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:
+        print(f"warning: {category.__name__}: {message}", file=file or sys.stderr)
+
+    with warnings.catch_warnings():  # restores warnings.showwarning on the way out
+        warnings.showwarning = show
+        yield
+
+
 @app.command()
 def demo(
     steps: int = typer.Option(10, min=1, help="GRPO steps."),
     # One answer per question leaves GRPO nothing to compare: every group would be dropped.
     group_size: int = typer.Option(8, min=2, help="Sampled answers per question."),
     learning_rate: float = typer.Option(1e-3, callback=_positive, help="AdamW learning rate of the LoRA adapter."),
-    path: Path = typer.Option(Path(".art"), help="Where checkpoints, trajectories and history go."),
+    path: Path = typer.Option(Path(".art"), file_okay=False, help="Where checkpoints, trajectories and history "
+                                                                  "go (a folder, made if missing)."),
     base_model: str = typer.Option("smollm2-135m-instruct", help="Local model folder or registered name."),
-    threads: int = typer.Option(0, help="torch threads (0: as many as cores)."),
+    threads: int = typer.Option(0, min=0, help="torch threads (0: as many as cores)."),
 ) -> None:
     """The minimal loop, no agent: GRPO on raw samples of "a + b" (`make demo` trains a LangGraph agent instead)."""
     import torch
 
     from .config import TrainConfig
     from .demo import run_demo
+    from .errors import ArtError
 
     torch.set_num_threads(threads or os.cpu_count() or 1)
-    result = asyncio.run(run_demo(steps=steps, group_size=group_size, base_model=base_model, path=path,
-                                  config=TrainConfig(learning_rate=learning_rate)))
+    try:
+        with warnings_as_lines():
+            result = asyncio.run(run_demo(steps=steps, group_size=group_size, base_model=base_model, path=path,
+                                          config=TrainConfig(learning_rate=learning_rate)))
+    except ArtError as exc:  # our errors name the fix: one line, not a traceback
+        typer.secho(f"error: {exc}", fg="red", err=True)
+        raise typer.Exit(1) from exc
     if result.success_after <= result.success_before:
         typer.secho("no improvement this run (sampling is random; try more --steps)", fg="yellow")
 
@@ -58,12 +84,13 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to listen on; anything but loopback needs a token."),
     port: int = typer.Option(7999, help="Port (0: a free one, printed on start)."),
     token: str = typer.Option(None, help="Bearer token every route wants [default: ART_SERVER_TOKEN]."),
-    path: Path = typer.Option(Path(".art"), help="Where checkpoints, trajectories and history go."),
+    path: Path = typer.Option(Path(".art"), file_okay=False, help="Where checkpoints, trajectories and history "
+                                                                  "go (a folder, made if missing)."),
     inference: str = typer.Option(None, help=f"Inference engine: {', '.join(sorted(INFERENCE))} "
                                              "(default: LocalBackend's)."),
     trainer: str = typer.Option(None, help=f"Trainer: {', '.join(sorted(TRAINERS))} (default: LocalBackend's)."),
     max_body_mb: int = typer.Option(256, help="Largest training-API request body, in MiB (gzip inflated)."),
-    threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
+    threads: int = typer.Option(0, min=0, help="torch threads (0: torch's default)."),
     backend: str = typer.Option("local", help="local (this machine) or ray (replicas and trainer ranks on a Ray "
                                                "cluster; needs art-core[distributed])."),
     ray_address: str = typer.Option(None, help="With --backend ray: the cluster (auto, ray://host:10001) "

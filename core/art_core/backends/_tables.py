@@ -47,6 +47,17 @@ class ModelTable(Generic[S]):
         """``<path>/<project>/models/<name>``."""
         return self.path / model.project / "models" / model.name
 
+    def make_folder(self, model: ModelSpec) -> Path:
+        """Make the model's folder, or say why it cannot be made (before anything is loaded) and what to give."""
+        folder = self.folder(model)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"{self.owner}(path={str(self.path)!r}) cannot make the folder of model "
+                              f"{model.name!r}, {folder} ({type(exc).__name__}: {exc.strerror or exc}): give path= "
+                              "a folder this process can write, or one it can create") from exc
+        return folder
+
     def check_open(self) -> None:
         if self.closed:
             raise LifecycleError(f"this {self.owner} is closed; create a new one")
