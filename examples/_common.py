@@ -40,7 +40,7 @@ from rich.console import Console
 
 from art_core import (History, LocalBackend, SFTConfig, StepReport, TrainableModel, TrainConfig, Trajectory,
                       TrajectoryGroup, pipeline, write_groups_jsonl)
-from art_core.errors import ConfigError
+from art_core.errors import ArtError, ConfigError
 from art_core.models import EMBEDDED_MODEL
 from art_core.tracking import TRACKER_NAMES
 
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Demonstrate", "Evaluation", "ExampleSettings", "LearningResult", "StepStats", "demonstration_tasks",
            "graph_at", "graph_demonstrations", "held_out_evaluation", "learn", "open_backend", "parse_settings",
-           "plot_curve", "sparkline", "unique_turns"]
+           "plot_curve", "run_from_command_line", "sparkline", "unique_turns"]
 
 T = TypeVar("T")
 Play = Callable[[T, int, int], Awaitable[TrajectoryGroup]]
@@ -111,7 +111,8 @@ class ExampleSettings:
     rollouts overlapping steps, on a backend that serves during steps (``open_backend``)."""
 
 
-def parse_settings(description: str, defaults: ExampleSettings, argv: Sequence[str] | None = None) -> ExampleSettings:
+def parse_settings(description: str, defaults: ExampleSettings, argv: Sequence[str] | None = None, *,
+                   judged: bool = False, teacher: bool = True) -> ExampleSettings:
     """The common flags (``--base-model``, ``--steps``, ``--groups``, ``--rollouts``, ``--inference``,
     ``--judge``...), with the example's defaults.
 
@@ -119,6 +120,9 @@ def parse_settings(description: str, defaults: ExampleSettings, argv: Sequence[s
         description: the example's one-line description (``--help``).
         defaults: the example's defaults.
         argv: the arguments; default: ``sys.argv[1:]``.
+        judged: the example's rewards can come from a RULER judge (``--judge``); otherwise ``--judge`` is refused
+            rather than ignored (a run would look judged and was not).
+        teacher: the example has a teacher for ``--demos``; otherwise ``--demos`` is refused before any work.
 
     Returns:
         The settings.
@@ -170,12 +174,28 @@ def parse_settings(description: str, defaults: ExampleSettings, argv: Sequence[s
     for flag, low in least.items():
         if getattr(args, flag) < low:
             parser.error(f"--{flag.replace('_', '-')} must be at least {low}, got {getattr(args, flag)}")
-    if not args.sft_learning_rate > 0:
-        parser.error(f"--sft-learning-rate must be positive, got {args.sft_learning_rate}")
+    for flag in ("learning_rate", "sft_learning_rate"):
+        if not getattr(args, flag) > 0:
+            parser.error(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if args.judge is not None and not judged:
+        parser.error(f"--judge {args.judge}: this example scores its runs with a reward of its own, so a judge "
+                     "would go unused; RULER judges in email_search and ruler_only")
+    if args.demos and not teacher:
+        parser.error(f"--demos {args.demos}: this example has no teacher for demonstrations; run it without --demos "
+                     "(the examples with one say so in examples/README.md)")
     if args.max_off_policy < 0:
         parser.error(f"--max-off-policy must be at least 0 (0: the synchronous loop; N > 0: rollouts at most N steps "
                      f"off-policy), got {args.max_off_policy}")
     return ExampleSettings(**vars(args))
+
+
+def run_from_command_line(main: Callable[[], object]) -> None:
+    """``python -m examples.<name>``: run ``main``; an error of ours (it names the fix) ends the run with its
+    message on one line and exit status 1, not a traceback. Called from Python, ``main`` raises as usual."""
+    try:
+        main()
+    except ArtError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def open_backend(settings: ExampleSettings) -> LocalBackend:
@@ -730,8 +750,12 @@ def _summary(result: LearningResult, console: Console) -> None:
         console.print(f"training reward per step  {sparkline(result.rewards)}  "
                       f"({result.rewards[0]:+.2f} -> {result.rewards[-1]:+.2f})")
     if result.model_dir is not None:
-        console.print(f"checkpoints:   {result.model_dir / 'checkpoints'}")
-        console.print(f"trajectories:  {result.model_dir / 'trajectories'}  (one JSONL file per step)")
-        console.print(f"held-out runs: {result.model_dir / 'evaluations'}  (one JSONL file per evaluation)")
+        written = [("checkpoints:  ", "checkpoints", ""),
+                   ("trajectories: ", "trajectories", "  (one JSONL file per step)"),
+                   ("held-out runs:", "evaluations", "  (one JSONL file per evaluation)"),
+                   ("result:       ", "learning_result.json", "")]
+        for label, name, note in written:  # only what this run wrote: no checkpoint folder when no step trained
+            if (result.model_dir / name).exists():
+                console.print(f"{label} {result.model_dir / name}{note}")
     if result.curve_png is not None:
         console.print(f"learning curve: {result.curve_png}")

@@ -68,8 +68,9 @@ async def test_a_backend_path_that_cannot_be_a_folder_is_refused_at_register_nam
     model = TrainableModel(name="m", project="p", base_model="no-such-model")  # refused before it is looked up
     async with LocalBackend(path=a_file / "runs") as backend:
         with pytest.raises(ConfigError, match=r"LocalBackend\(path='.*a-file/runs'\) cannot make the folder of "
-                                              r"model 'm'.*NotADirectoryError.*give path= a folder"):
+                                              r"model 'm', .*: .*a-file is a file; give path= a folder"):
             await model.register(backend)
+    assert a_file.is_file()
 
 
 def test_the_cli_prints_a_warning_as_one_line_and_restores_the_display_after(capsys) -> None:
@@ -84,3 +85,12 @@ def test_the_cli_prints_a_warning_as_one_line_and_restores_the_display_after(cap
         warnings.warn(ZeroVarianceGroupsWarning("1 of 4 group(s) had equal rewards"), stacklevel=1)
     assert capsys.readouterr().err == "warning: ZeroVarianceGroupsWarning: 1 of 4 group(s) had equal rewards\n"
     assert warnings.showwarning is before
+
+
+def test_cli_serve_ends_an_engine_it_cannot_start_in_one_line(tmp_path: Path) -> None:
+    """Found after the settings check (starting the engine): the error's text and exit 1, no traceback."""
+    env = {**os.environ, "ART_VLLM_VENV": str(tmp_path / "no-venv")}
+    out = subprocess.run([sys.executable, "-m", "art_core.cli", "serve", "--inference", "vllm", "--port", "0",
+                          "--path", str(tmp_path / "art")], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.startswith("error: no vLLM python at") and "Traceback" not in out.stderr, out.stderr

@@ -16,8 +16,10 @@ import typer
 from .backends._engines import INFERENCE
 from .backends._trainers import TRAINERS
 
+# No rich markup: help texts name extras and defaults in brackets (art-core[distributed], [default: ...]) that
+# typer's markup would swallow.
 app = typer.Typer(help="art-core: GRPO training of LoRA adapters for agents.", no_args_is_help=True,
-                  add_completion=False)
+                  add_completion=False, rich_markup_mode=None)
 
 
 def _positive(value: float) -> float:
@@ -107,7 +109,7 @@ def serve(
 
     Clients use ``RemoteBackend("http://HOST:PORT", token=...)``; their agents reach the models through it.
     """
-    from .errors import ConfigError
+    from .errors import ArtError, ConfigError
     from .server.run import ServerSettings, run_forever
 
     try:
@@ -118,7 +120,11 @@ def serve(
     except ConfigError as exc:
         typer.secho(str(exc), fg="red", err=True)
         raise typer.Exit(2) from exc
-    run_forever(settings)
+    try:
+        run_forever(settings)
+    except ArtError as exc:  # found starting the engine or trainer (no vLLM venv, no GPU): one line, as above
+        typer.secho(f"error: {exc}", fg="red", err=True)
+        raise typer.Exit(1) from exc
 
 
 @app.command()
@@ -131,16 +137,22 @@ def export(
                                                          "Hugging Face model folder (default: the PEFT adapter alone)."),
     base_model: str = typer.Option(None, help="Base model for --merged: a registered name or a local folder "
                                               "(default: the one the adapter records)."),
-    dtype: str = typer.Option("float32", help="Weights of the merged model: float32, bfloat16 or float16."),
+    dtype: str = typer.Option(None, help="Weights of the merged model: float32, bfloat16 or float16 "
+                                         "[default: float32]."),
 ) -> None:
     """Write a checkpoint as a plain PEFT adapter folder, or merged into its base model (loads in vLLM and transformers)."""
     from .errors import ArtError
     from .export import export_adapter, export_merged, find_checkpoint
 
+    unused = [flag for flag, value in (("--base-model", base_model), ("--dtype", dtype)) if value is not None]
+    if unused and not merged:  # the adapter is copied as it is: these would be ignored
+        raise typer.BadParameter(f"{' and '.join(unused)} only apply with --merged (the adapter is written as "
+                                 "it was trained): add --merged, or drop them")
     try:
-        checkpoint = find_checkpoint(source, step)
-        written = (export_merged(checkpoint, out, base_model=base_model, dtype=dtype) if merged
-                   else export_adapter(checkpoint, out))
+        with warnings_as_lines():
+            checkpoint = find_checkpoint(source, step)
+            written = (export_merged(checkpoint, out, base_model=base_model, dtype=dtype or "float32") if merged
+                       else export_adapter(checkpoint, out))
     except ArtError as exc:
         typer.secho(f"error: {exc}", fg="red", err=True)
         raise typer.Exit(1) from exc

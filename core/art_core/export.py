@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from ._paths import folder_problem
 from .errors import CheckpointError, ConfigError
 
 __all__ = ["export_adapter", "export_merged", "find_checkpoint"]
@@ -97,15 +98,24 @@ def export_merged(checkpoint: Path, out: Path, *, base_model: str | Path | None 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .errors import BaseModelNotFoundError
     from .models import resolve_base_model
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:
         raise ConfigError(f"unknown dtype {dtype!r}: choose one of {sorted(dtypes)}")
     checkpoint = Path(checkpoint)
-    if base_model is None:
-        base_model = _recorded_base(checkpoint)
-    base_dir = resolve_base_model(base_model)
+    if base_model is not None:
+        base_dir = resolve_base_model(base_model)
+    else:
+        recorded = _recorded_base(checkpoint)
+        try:
+            base_dir = resolve_base_model(recorded)
+        except BaseModelNotFoundError as exc:  # a folder of the machine that trained it, most often
+            raise BaseModelNotFoundError(
+                f"the adapter in {checkpoint} records its base model as {recorded!r} (where it was trained), and "
+                "that is not here: pass base_model= (art-core export --base-model) a registered name or a local "
+                f"model folder. {exc}") from exc
     _check_empty(Path(out))
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtypes[dtype])
     try:
@@ -134,6 +144,9 @@ def _recorded_base(checkpoint: Path) -> str:
 def _check_empty(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} already exists and is not an empty folder: pick a new path, or remove it first")
+    problem = folder_problem(out)
+    if problem:
+        raise ConfigError(f"cannot make the folder {out}: {problem}; pick a path this process can write")
 
 
 def _write_folder(out: Path, write: Callable[[Path], None]) -> Path:

@@ -126,5 +126,5 @@ def main(argv: list[str] | None = None) -> LearningResult:
     import asyncio
 
     settings = parse_settings("Train a LangGraph email-search agent (search_inbox, read_email, return_answer) "
-                              "with GRPO.", DEFAULTS, argv)
+                              "with GRPO.", DEFAULTS, argv, judged=True)
     return asyncio.run(run(settings))

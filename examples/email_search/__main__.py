@@ -1,3 +1,4 @@
+from .._common import run_from_command_line
 from . import main
 
-main()
+run_from_command_line(main)

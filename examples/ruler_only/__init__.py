@@ -88,5 +88,5 @@ def main(argv: list[str] | None = None) -> LearningResult:
     import asyncio
 
     settings = parse_settings("Train a LangGraph assistant on RULER scores alone (no hand-written reward).",
-                              DEFAULTS, argv)
+                              DEFAULTS, argv, judged=True, teacher=False)
     return asyncio.run(run(settings))

@@ -104,6 +104,29 @@ def test_export_refuses_bad_input(trained, tmp_path: Path) -> None:
         export_adapter(find_checkpoint(model_dir), tmp_path / "taken")
     out = _cli(str(model_dir), str(tmp_path / "taken"))
     assert out.returncode == 1 and "already exists" in out.stderr
+    # under a file: named before anything is written (it was FileExistsError's traceback)
+    with pytest.raises(ConfigError, match=r"cannot make the folder .*taken/file/out: .*taken/file is a file"):
+        export_adapter(find_checkpoint(model_dir), tmp_path / "taken" / "file" / "out")
+    # the adapter is copied as trained: options of a merge would be ignored, so they are refused
+    out = _cli(str(model_dir), str(tmp_path / "new"), "--dtype", "bfloat16")
+    assert out.returncode == 2 and "--dtype only apply with --merged" in out.stderr, out.stderr
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_merge_whose_recorded_base_is_not_here_names_base_model(trained, tmp_path: Path) -> None:
+    """An adapter records its base as the training machine's folder; elsewhere the error names the fix."""
+    from art_core.errors import BaseModelNotFoundError
+    from art_core.export import export_merged
+
+    model_dir, _ = trained
+    moved = tmp_path / "moved"
+    export_adapter(find_checkpoint(model_dir), moved)
+    config = json.loads((moved / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "/home/elsewhere/base"
+    (moved / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(BaseModelNotFoundError, match=r"records its base model as '/home/elsewhere/base' .*pass "
+                                                     r"base_model= \(art-core export --base-model\)"):
+        export_merged(moved, tmp_path / "merged")
 
 
 @pytest.mark.vllm

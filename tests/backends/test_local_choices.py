@@ -41,10 +41,23 @@ def test_unsloth_without_a_gpu_names_the_peft_trainer(tmp_path):
 def test_vllm_without_its_venv_says_how_to_build_it(tmp_path):
     with pytest.raises(ConfigError, match="no vLLM python at .*setup_vllm_cpu.sh"):
         LocalBackend(path=tmp_path, inference="vllm", vllm=VLLMOptions(python=str(tmp_path / "no-venv")))
+    with pytest.raises(ConfigError, match="set ART_VLLM_VENV to that venv"):
+        LocalBackend(path=tmp_path, inference="vllm", vllm=VLLMOptions(python=str(tmp_path / "no-venv")))
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
         VLLMOptions(gpu_memory_utilization=1.5)
     with pytest.raises(ConfigError, match="extra"):
         VLLMOptions(gpu_util=0.5)  # type: ignore[call-arg]
+
+
+def test_a_vllm_venv_given_with_a_tilde_is_found(tmp_path, monkeypatch):
+    """The README writes ``VLLMOptions(python="~/.cache/art-core/venv-vllm")``; ``~`` is the user's home."""
+    from art_core.engines.vllm import find_vllm_python
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    python = tmp_path / ".cache" / "venv-vllm" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    assert find_vllm_python("~/.cache/venv-vllm") == python
 
 
 def test_gateway_settings_are_checked_at_construction(tmp_path):

@@ -107,6 +107,34 @@ def test_demos_flag_is_refused_where_an_example_has_no_teacher_or_a_bad_count(tm
     assert "--sft-epochs must be at least 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "judged", "message"), [
+    (["--judge", "local"], False, "--judge local: this example scores its runs with a reward of its own"),
+    (["--learning-rate", "0"], True, "--learning-rate must be positive, got 0.0"),
+    (["--demos", "2"], True, "--demos 2: this example has no teacher"),
+])
+def test_flags_an_example_could_not_honour_are_refused_at_parse_time(tmp_path, capsys, argv, judged, message):
+    """A judge the example's reward would never ask (it ran as if judged), a learning rate AdamW refuses (after
+    the model had loaded), demonstrations without a teacher (idem): refused before anything loads."""
+    from examples._common import parse_settings
+
+    with pytest.raises(SystemExit):
+        parse_settings("x", ExampleSettings(path=tmp_path), argv, judged=judged, teacher=False)
+    assert message in capsys.readouterr().err
+    assert parse_settings("x", ExampleSettings(path=tmp_path), ["--judge", "local"], judged=True).judge == "local"
+
+
+def test_an_example_on_the_command_line_ends_an_error_of_ours_in_one_line(tmp_path):
+    """``python -m examples.<name>`` with a base model that does not exist: the error's text, no traceback."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "examples.langgraph_tools", "--base-model", str(tmp_path / "none"),
+                          "--path", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.startswith("error: base model") and "Traceback" not in out.stderr, out.stderr
+
+
 async def test_an_example_without_a_teacher_refuses_demos_before_any_work(tmp_path):
     from art_core import TrainableModel
     from art_core.errors import ConfigError
@@ -515,3 +543,19 @@ async def test_email_search_warm_starts_with_sft_on_the_experts_runs(tiny_model_
                  for c in m.tool_calls or [] if c.id.startswith("call_expert_")]  # not the worked exchange's
         assert [name for name, _ in calls] == ["search_inbox", "read_email", "return_answer"]
         assert calls[2][1] == {"answer": question.answer, "source_id": question.source_id}
+
+
+def test_the_summary_names_only_what_the_run_wrote(tmp_path):
+    """A run that trained no step (``--steps 0``, or every group dropped) names no checkpoints folder; the
+    result file it wrote is named."""
+    from rich.console import Console
+
+    from examples._common import LearningResult, _summary
+
+    (tmp_path / "evaluations").mkdir()
+    (tmp_path / "learning_result.json").write_text("{}")
+    console = Console(record=True, width=200)
+    _summary(LearningResult(name="x", success_before=0.1, success_after=0.1, model_dir=tmp_path), console)
+    text = console.export_text()
+    assert "checkpoints:" not in text and "trajectories:" not in text
+    assert f"held-out runs: {tmp_path / 'evaluations'}" in text and f"{tmp_path / 'learning_result.json'}" in text

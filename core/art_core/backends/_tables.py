@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Generic, TypeVar
 
+from .._paths import folder_problem
 from ..errors import ConfigError, LifecycleError, ModelNotRegisteredError
 from .base import ModelSpec
 
@@ -47,16 +48,14 @@ class ModelTable(Generic[S]):
         """``<path>/<project>/models/<name>``."""
         return self.path / model.project / "models" / model.name
 
-    def make_folder(self, model: ModelSpec) -> Path:
-        """Make the model's folder, or say why it cannot be made (before anything is loaded) and what to give."""
+    def check_folder(self, model: ModelSpec) -> None:
+        """Say, before anything is loaded, why the model's folder could not be made, and what to give instead.
+        Nothing is created here: a registration that fails later leaves no folder behind."""
         folder = self.folder(model)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"{self.owner}(path={str(self.path)!r}) cannot make the folder of model "
-                              f"{model.name!r}, {folder} ({type(exc).__name__}: {exc.strerror or exc}): give path= "
-                              "a folder this process can write, or one it can create") from exc
-        return folder
+        problem = folder_problem(folder)
+        if problem:
+            raise ConfigError(f"{self.owner}(path={str(self.path)!r}) cannot make the folder of model {model.name!r}, "
+                              f"{folder}: {problem}; give path= a folder this process can write, or one it can create")
 
     def check_open(self) -> None:
         if self.closed:

@@ -243,7 +243,7 @@ class LocalBackend(ServesModels):
 
     async def register(self, model: ModelSpec) -> int:
         self._models.check_new(model)
-        self._models.make_folder(model)
+        self._models.check_folder(model)
         slot = await self._load(model)
         try:
             if self.serve:

@@ -84,11 +84,12 @@ def find_vllm_python(python: str | os.PathLike[str] = "vllm") -> Path:
     """
     if str(python) == "vllm":
         python = os.environ.get("ART_VLLM_VENV") or Path.cwd() / ".venv-vllm"
-    path = Path(python).absolute()  # not resolve(): a venv's python is a symlink to the base interpreter
+    path = Path(python).expanduser().absolute()  # not resolve(): a venv's python is a symlink to the base interpreter
     if path.is_dir():
         path = path / "bin" / "python"
     if not path.is_file():
-        raise ConfigError(f"no vLLM python at {path}: {SETUP_HINT}, or pass python=/path/to/venv/bin/python")
+        raise ConfigError(f"no vLLM python at {path}: {SETUP_HINT}; then set ART_VLLM_VENV to that venv, or pass "
+                          "python=/path/to/venv (VLLMOptions(python=...))")
     return path
 
 

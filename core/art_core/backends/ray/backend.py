@@ -219,7 +219,7 @@ class RayBackend(ServesModels):
         from .trainer_group import TrainerGroup
 
         self._models.check_new(model)
-        self._models.make_folder(model)
+        self._models.check_folder(model)
         ray = self._ray()
         base_dir = str(resolve_base_model(model.base_model))  # the driver's copy, for the gateway's tokenizer
         model_dir = self.model_dir(model)
