@@ -15,6 +15,7 @@ import typer
 
 from .backends._engines import INFERENCE
 from .backends._trainers import TRAINERS
+from .errors import ArtError
 
 # No rich markup: help texts name extras and defaults in brackets (art-core[distributed], [default: ...]) that
 # typer's markup would swallow.
@@ -26,6 +27,17 @@ def _positive(value: float) -> float:
     if value <= 0:
         raise typer.BadParameter(f"{value} is not > 0 (e.g. 1e-3)")
     return value
+
+
+@contextlib.contextmanager
+def errors_as_lines() -> Iterator[None]:
+    """Within: an error of ours (it names the fix) ends the command with its message on one line and exit status
+    1, not a traceback."""
+    try:
+        yield
+    except ArtError as exc:
+        typer.secho(f"error: {exc}", fg="red", err=True)
+        raise typer.Exit(1) from exc
 
 
 @contextlib.contextmanager
@@ -58,16 +70,11 @@ def demo(
 
     from .config import TrainConfig
     from .demo import run_demo
-    from .errors import ArtError
 
     torch.set_num_threads(threads or os.cpu_count() or 1)
-    try:
-        with warnings_as_lines():
-            result = asyncio.run(run_demo(steps=steps, group_size=group_size, base_model=base_model, path=path,
-                                          config=TrainConfig(learning_rate=learning_rate)))
-    except ArtError as exc:  # our errors name the fix: one line, not a traceback
-        typer.secho(f"error: {exc}", fg="red", err=True)
-        raise typer.Exit(1) from exc
+    with errors_as_lines(), warnings_as_lines():
+        result = asyncio.run(run_demo(steps=steps, group_size=group_size, base_model=base_model, path=path,
+                                      config=TrainConfig(learning_rate=learning_rate)))
     if result.success_after <= result.success_before:
         typer.secho("no improvement this run (sampling is random; try more --steps)", fg="yellow")
 
@@ -109,7 +116,7 @@ def serve(
 
     Clients use ``RemoteBackend("http://HOST:PORT", token=...)``; their agents reach the models through it.
     """
-    from .errors import ArtError, ConfigError
+    from .errors import ConfigError
     from .server.run import ServerSettings, run_forever
 
     try:
@@ -120,11 +127,8 @@ def serve(
     except ConfigError as exc:
         typer.secho(str(exc), fg="red", err=True)
         raise typer.Exit(2) from exc
-    try:
+    with errors_as_lines():  # found starting the engine or trainer (no vLLM venv, no GPU)
         run_forever(settings)
-    except ArtError as exc:  # found starting the engine or trainer (no vLLM venv, no GPU): one line, as above
-        typer.secho(f"error: {exc}", fg="red", err=True)
-        raise typer.Exit(1) from exc
 
 
 @app.command()
@@ -141,21 +145,16 @@ def export(
                                          "[default: float32]."),
 ) -> None:
     """Write a checkpoint as a plain PEFT adapter folder, or merged into its base model (loads in vLLM and transformers)."""
-    from .errors import ArtError
     from .export import export_adapter, export_merged, find_checkpoint
 
     unused = [flag for flag, value in (("--base-model", base_model), ("--dtype", dtype)) if value is not None]
     if unused and not merged:  # the adapter is copied as it is: these would be ignored
         raise typer.BadParameter(f"{' and '.join(unused)} only apply with --merged (the adapter is written as "
                                  "it was trained): add --merged, or drop them")
-    try:
-        with warnings_as_lines():
-            checkpoint = find_checkpoint(source, step)
-            written = (export_merged(checkpoint, out, base_model=base_model, dtype=dtype or "float32") if merged
-                       else export_adapter(checkpoint, out))
-    except ArtError as exc:
-        typer.secho(f"error: {exc}", fg="red", err=True)
-        raise typer.Exit(1) from exc
+    with errors_as_lines(), warnings_as_lines():
+        checkpoint = find_checkpoint(source, step)
+        written = (export_merged(checkpoint, out, base_model=base_model, dtype=dtype or "float32") if merged
+                   else export_adapter(checkpoint, out))
     kind = "merged model" if merged else "PEFT adapter"
     typer.echo(f"wrote {kind} of {checkpoint} to {written}")
 
