@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +143,10 @@ async def test_ray_backend_scenario(cluster: Any, scripted_dir: Path, tmp_path: 
         gathering = asyncio.create_task(
             backend.gather(model.spec, ROLLOUT, [{"gate": str(gate)}] * 4, n=4))
         lost_node = cluster.worker.node_id
+        # The replica on the node about to be lost dies unclosed, its scratch folder left on that node's disk:
+        # here the "node" is processes on this machine, so the test removes that folder itself at the end.
+        replica_folders = [Path(await r.__ray_call__.remote(lambda actor: str(actor._scratch)))
+                           for r in router.replicas]
         deadline = asyncio.get_running_loop().time() + 120
         while not any(gate.glob(f"started-{lost_node}-*")):
             assert asyncio.get_running_loop().time() < deadline, "no rollout reached the gate on the worker node"
@@ -165,6 +170,8 @@ async def test_ray_backend_scenario(cluster: Any, scripted_dir: Path, tmp_path: 
         scratch = [Path(await a.__ray_call__.remote(lambda actor: str(actor._scratch))) for a in actors]
         assert len(scratch) == 3 and all(folder.is_dir() for folder in scratch)
     assert not [folder for folder in scratch if folder.exists()], "closing the backend removed the actors' folders"
+    for folder in set(replica_folders) - set(scratch):  # the lost node's replica's
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _token_groups(seed: int) -> list[TrajectoryGroup]:

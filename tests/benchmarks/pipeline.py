@@ -31,7 +31,9 @@ requests, split into waiting for those in flight and the reload itself (``VLLMEn
 the speed-up of each bound is synchronous seconds per step over its own (mean over seeds), and the held-out gap is
 its mean success after training minus the synchronous arm's. The last line is a JSON object with ``async_speedup_<layout>``
 (``max_off_policy=1``), ``async_speedup_<layout>_m2``, ``heldout_gap_<layout>`` (points, ``max_off_policy=1``)
-and every arm's figures. The machine may be shared: the load average before and after goes into the JSON.
+and every arm's figures. The machine may be shared: the load average before and after goes into the JSON, and
+each arm's row has ``cpu_seconds``, the CPU each kind of process used while its pipeline ran (this driver, the Ray
+replica and rank, Ray's own processes, anything else on the machine), printed under its line.
 ``--base-matmul-dtype bfloat16`` trains every arm with ``TrainConfig(base_matmul_dtype="bfloat16")`` (the engines
 still sample in fp32); ``--prepacked-base-weights`` with ``TrainConfig(prepacked_base_weights=True)`` (fp32 by
 default: the base products through oneDNN on pre-packed copies). ``--packed-weights [float32|bfloat16]`` has the
@@ -96,6 +98,43 @@ def _ray_cluster(temp: str) -> Any:
     return cluster
 
 
+def _cpu_by_process() -> dict[int, tuple[str, float]]:
+    """Every process's CPU seconds so far (user + system), by pid, with a short name for the report; empty without
+    psutil (Ray brings it)."""
+    try:
+        import psutil
+    except ImportError:
+        return {}
+
+    seen: dict[int, tuple[str, float]] = {}
+    for proc in psutil.process_iter(["name", "cmdline", "cpu_times"]):
+        times = proc.info["cpu_times"]
+        if times is None:
+            continue
+        cmdline = proc.info["cmdline"] or [proc.info["name"] or "?"]
+        seen[proc.pid] = (_process_label(proc.pid, cmdline), times.user + times.system)
+    return seen
+
+
+def _process_label(pid: int, cmdline: list[str]) -> str:
+    if pid == os.getpid():
+        return "driver"
+    title = " ".join(cmdline)
+    if title.startswith("ray::"):  # a Ray worker's title names its actor class: the replica, the rank
+        return title.split()[0].removeprefix("ray::").split(".")[0]
+    return os.path.basename(cmdline[0]) or "?"
+
+
+def _cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds each kind of process used between two snapshots (processes started in between count whole)."""
+    used: dict[str, float] = {}
+    for pid, (label, seconds) in after.items():
+        spent = seconds - before[pid][1] if pid in before and before[pid][0] == label else seconds
+        if spent > 0.05:
+            used[label] = round(used.get(label, 0.0) + spent, 2)
+    return dict(sorted(used.items(), key=lambda item: -item[1]))
+
+
 def _backend(layout: str, bound: int, root: Path, cluster: Any, packed_weights: bool | str = False) -> Any:
     serve_during_steps = bound > 0
     if layout == "ray":
@@ -145,11 +184,13 @@ async def run_arm(layout: str, bound: int, seed: int, args: argparse.Namespace, 
                 t.reward = addition_reward(task, t.messages[-1].text())
             return TrajectoryGroup(trajectories, metadata={"task": f"{task.a}+{task.b}"})
 
+        processes_before = _cpu_by_process()
         started = time.perf_counter()
         report = await pipeline(model, enumerate(train_tasks), play, steps=args.steps, groups_per_step=args.groups,
                                 max_off_policy=bound, concurrency=args.groups, config=config,
                                 log=lambda line: print(f"  [{layout} m={bound} seed {seed}] {line}", flush=True))
         wall = time.perf_counter() - started
+        cpu = _cpu_delta(processes_before, _cpu_by_process())
         engine_health = await backend.gateway(model.spec).engine.health()
         after = await held_out_success(model, eval_tasks, max_tokens=args.max_tokens, seed=seed)
     if layout == "vllm":
@@ -170,6 +211,7 @@ async def run_arm(layout: str, bound: int, seed: int, args: argparse.Namespace, 
            "adapter_load_s": [round(s.metrics.get("seconds_adapter_load", 0.0), 3) for s in steps]}
     # the trainer's own seconds (its train_step calls) against the wall: in a pipelined arm the rest is the first
     # step's rollouts and what each step spends outside train_step (its checkpoint, the transfers, waiting)
+    row["cpu_seconds"] = cpu
     row["trainer_seconds"] = sum(s.metrics.get("seconds_total", 0.0) for s in steps)
     merges = engine_health.get("merge_times")
     if merges and merges["merges"]:  # vLLM on CPU: each checkpoint merged into its weights, requests held meanwhile
@@ -182,6 +224,8 @@ async def run_arm(layout: str, bound: int, seed: int, args: argparse.Namespace, 
           f"publishing a checkpoint {statistics.fmean(row['adapter_load_s']):.2f} s"
           + (" (vLLM held requests {held:.2f} s a merge: {draining:.2f} s for those in flight, {merging:.2f} s "
              "reloading)".format(**row["merge_pause_s"]) if "merge_pause_s" in row else ""), flush=True)
+    print(f"{'':12s} CPU seconds while it ran, by process: "
+          + ", ".join(f"{label} {seconds:.1f}" for label, seconds in list(cpu.items())[:8]), flush=True)
     return row
 
 
