@@ -434,10 +434,13 @@ class RolloutScope:
             return message
         if seen:
             return message + rename
-        return message + ("The run made no model call that could be seen: calls made from a thread that does not copy "
-                          "the context (threading.Thread, or executor.submit without contextvars.copy_context().run; "
-                          "asyncio.to_thread copies it) are neither seen nor routed, nor are calls of an HTTP client "
-                          "other than httpx")
+        return message + ("The run made no model call that could be seen. Either the path it took calls no model (a "
+                          "run resumed after an interrupt whose remaining nodes are plain code, a branch without an "
+                          "LLM node): a trajectory needs at least one call of the trainable model, so run such paths "
+                          "outside the rollout or together with the call before them; or its calls were not seen: "
+                          "calls made from a thread that does not copy the context (threading.Thread, or "
+                          "executor.submit without contextvars.copy_context().run; asyncio.to_thread copies it) are "
+                          "neither seen nor routed, nor are calls of an HTTP client other than httpx")
 
     def scored(self, trajectory: Trajectory) -> Trajectory:
         """The scored trajectory, its scores sent by the tracers."""

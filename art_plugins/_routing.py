@@ -30,9 +30,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote
 
-from art_core.wire import CALLER_HEADER, SEED_HEADER
+from art_core.wire import CALLER_HEADER, SEED_HEADER, encode_caller
 
 __all__ = ["CountingTransport", "Route", "current_route", "derive_seed", "routed", "unrouted", "wrappers_installed"]
 
@@ -166,7 +165,7 @@ class Route:
     def caller_label(self) -> str | None:
         """The ``X-Art-Caller`` value for the call being made now (the part of the agent making it), if any."""
         label = self.caller() if self.caller is not None else None
-        return quote(label, safe=" !#$&'()*+,./:;=?@[]^_`{|}~-") if label else None
+        return encode_caller(label) if label else None
 
     def call_headers(self) -> list[tuple[str, str]]:
         """The headers the gateway reads for the call being made now: its caller label and, when seeded, its seed.

@@ -26,7 +26,6 @@ import threading
 from dataclasses import dataclass, field
 from collections.abc import AsyncIterator
 from typing import Any, Literal, TypeVar
-from urllib.parse import unquote
 
 import httpx
 from fastapi import FastAPI, Request
@@ -38,7 +37,7 @@ from art_core.gateway.listen import EmbeddedServer, bind, start_server
 from art_core.gateway.parsing import json_body, new_request_id, validated
 from art_core.gateway.responses import as_chat_request
 from art_core.gateway.schemas import ChatCompletionRequest
-from art_core.wire import CALLER_HEADER, ROLLOUT_ID_PATTERN
+from art_core.wire import CALLER_HEADER, ROLLOUT_ID_PATTERN, decode_caller
 
 from ._routing import unrouted
 from ._teacher_call import TeacherCallError, TeacherReply, ask_teacher
@@ -215,7 +214,7 @@ class TeacherProxy:
         exchange = TeacherExchange(
             request_id=new_request_id("chatcmpl-" if endpoint == "chat.completions" else "resp_"),
             rollout_id=rollout_id, endpoint=endpoint, messages=messages, tools=list(tools or []) if offered else [],
-            reply=reply.message, finish_reason=reply.finish_reason, caller=unquote(caller) if caller else None,
+            reply=reply.message, finish_reason=reply.finish_reason, caller=decode_caller(caller) if caller else None,
             usage=reply.usage)
         with self._lock:  # recorded before the answer goes out: "answered" means "recorded", as at the gateway
             self._exchanges.setdefault(rollout_id, []).append(exchange)

@@ -60,14 +60,24 @@ G = TypeVar("G")
 
 
 def _current_node() -> str | None:
-    """The LangGraph node running the current call: LangChain keeps the node's config in a context variable."""
+    """The LangGraph node running the current call, as its path from the root graph: ``"agent"`` for a node of the
+    graph itself, ``"researcher/agent"`` for node ``agent`` of a subgraph run by node ``researcher`` (two sub-agents
+    built alike are told apart). LangChain keeps the node's config in a context variable; its checkpoint namespace,
+    ``"researcher:<task id>|agent:<task id>"``, holds the path."""
     from langchain_core.runnables.config import var_child_runnable_config
 
     config = var_child_runnable_config.get()
     if not config:
         return None
-    node = (config.get("metadata") or {}).get("langgraph_node")
-    return str(node) if node is not None else None
+    metadata = config.get("metadata") or {}
+    node = metadata.get("langgraph_node")
+    if node is None:
+        return None
+    namespace = metadata.get("langgraph_checkpoint_ns")
+    path = [part.rpartition(":")[0] or part for part in str(namespace).split("|")] if namespace else []
+    if not path or path[-1] != str(node):  # a namespace not of the shape above: the node alone
+        return str(node)
+    return "/".join(path)
 
 
 class TrainableGraph:
@@ -137,7 +147,8 @@ class TrainableGraph:
                             rollout_id=rollout_id, seed=seed, tracers=tracers, input=input, teacher=self._teacher)
 
     async def rollout(self, input: Any, *, reward: RewardFn | None = None, config: dict[str, Any] | None = None,
-                      method: Method = "astream", rollout_id: str | None = None, seed: int | None = None) -> Trajectory:
+                      context: Any = None, method: Method = "astream", rollout_id: str | None = None,
+                      seed: int | None = None) -> Trajectory:
         """Run the graph once on ``input`` and return the run as a scored trajectory.
 
         Args:
@@ -145,6 +156,9 @@ class TrainableGraph:
             reward: ``reward(trajectory, final_state) -> float``, plain or async. If it raises, the error is
                 recorded on the trajectory (``logs``, ``metadata["reward_error"]``) and the reward stays 0.
             config: the graph's ``RunnableConfig`` (``configurable``, ``callbacks``...).
+            context: the run's static context, for a graph built with ``StateGraph(..., context_schema=...)`` whose
+                nodes read ``runtime.context`` (LangGraph passes it as ``graph.invoke(input, context=...)``).
+                Default: none passed.
             method: how the graph is run (see the module docstring).
             rollout_id: default: a new random id.
             seed: seeds the sampling: the run's k-th call to the trainable model is sampled with a seed derived
@@ -163,6 +177,9 @@ class TrainableGraph:
         run_config = dict(config or {})
         if self.recursion_limit is not None:
             run_config.setdefault("recursion_limit", self.recursion_limit)
+        bound = getattr(self.graph, "config", None)  # graph.with_config(recursion_limit=...): astream_events
+        if isinstance(bound, dict) and "recursion_limit" in bound:  # alone would leave it out (LangGraph 1.2)
+            run_config.setdefault("recursion_limit", bound["recursion_limit"])
         from langgraph.errors import GraphRecursionError
 
         scope = self._scope(rollout_id=rollout_id, seed=seed, tracers=rollout_tracers(self._tracers), input=input)
@@ -173,7 +190,7 @@ class TrainableGraph:
             run_config = scope.langchain_config(run_config)  # the tracers' handlers (Langfuse's), if any
             try:
                 async with deadline:
-                    await _run(self.graph, input, run_config, method, progress)
+                    await _run(self.graph, input, run_config, method, progress, context)
             except GraphRecursionError:
                 stop_reason = "recursion_limit"
             except TimeoutError:
@@ -185,16 +202,18 @@ class TrainableGraph:
         return scope.scored(await score(trajectory, reward))
 
     async def group(self, input: Any, *, n: int, reward: RewardFn | None = None, config: dict[str, Any] | None = None,
-                    method: Method = "astream", seed: int | None = None) -> TrajectoryGroup:
+                    context: Any = None, method: Method = "astream", seed: int | None = None) -> TrajectoryGroup:
         """``n`` rollouts of the same input run concurrently, as one group for GRPO.
 
         ``seed`` seeds the group: each rollout gets its own seed derived from it (see ``rollout``), so the
         rollouts differ from each other and the same group can be sampled again. Default: unseeded.
         A rollout that fails is left out and listed in ``group.exceptions``, not raised. Every rollout gets the
-        same ``config``: with a checkpointer they share its ``thread_id`` (give each its own to keep them apart).
+        same ``config`` and ``context``: with a checkpointer they share its ``thread_id`` (give each its own to keep
+        them apart).
         """
         return await gather_group(n, lambda rollout_seed: self.rollout(input, reward=reward, config=config,
-                                                                       method=method, seed=rollout_seed), seed=seed)
+                                                                       context=context, method=method,
+                                                                       seed=rollout_seed), seed=seed)
 
     def rollout_fn(self, *, reward: RewardFn | None = None,
                    agent: Any = None) -> Callable[[Any], Awaitable[Trajectory]]:
@@ -227,17 +246,20 @@ class _Progress:
     state: Any = None
 
 
-async def _run(graph: Any, input: Any, config: dict[str, Any], method: Method, progress: _Progress) -> None:
+async def _run(graph: Any, input: Any, config: dict[str, Any], method: Method, progress: _Progress,
+               context: Any = None) -> None:
+    # context= only when given: a graph object from before LangGraph 0.6 (or a look-alike) may not take it
+    extra: dict[str, Any] = {"context": context} if context is not None else {}
     if method == "ainvoke":
-        progress.state = await graph.ainvoke(input, config)
+        progress.state = await graph.ainvoke(input, config, **extra)
     elif method == "invoke":
-        progress.state = await _in_own_thread(graph.invoke, input, config)
+        progress.state = await _in_own_thread(functools.partial(graph.invoke, **extra), input, config)
     elif method == "astream":
-        async for state in graph.astream(input, config, stream_mode="values"):
+        async for state in graph.astream(input, config, stream_mode="values", **extra):
             progress.state = state
     else:
         interrupts = None
-        async for event in graph.astream_events(input, config, version="v2"):
+        async for event in graph.astream_events(input, config, version="v2", **extra):
             if event.get("parent_ids"):
                 continue
             if event["event"] == "on_chain_stream":  # an interrupt() reaches the root only as a stream chunk

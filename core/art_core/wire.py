@@ -44,10 +44,10 @@ from . import errors
 from .config import StepConfig, TrainConfig
 from .types import TrajectoryGroup
 
-__all__ = ["ADAPTER_STEP_HEADER", "API_PREFIX", "CALLER_HEADER", "COMPLETION_TOKENS_HEADER", "PROMPT_TOKENS_HEADER",
+__all__ = ["ADAPTER_STEP_HEADER", "API_PREFIX", "CALLER_HEADER", "CALLER_MAX_CHARS", "COMPLETION_TOKENS_HEADER", "PROMPT_TOKENS_HEADER",
            "REQUEST_ID_HEADER", "ROLLOUT_ID_HEADER", "ROLLOUT_ID_PATTERN", "SEED_HEADER", "TRAIN_ID_PATTERN",
            "DeleteCheckpoints", "ErrorBody", "Registered", "RolloutStatus", "SampleRequest", "TrainRequest",
-           "call_headers", "error_from_wire", "gateway_path", "train_id_for"]
+           "call_headers", "decode_caller", "encode_caller", "error_from_wire", "gateway_path", "train_id_for"]
 
 # -- the gateway's headers ------------------------------------------------------------------------------
 
@@ -56,7 +56,12 @@ ROLLOUT_ID_HEADER = "X-Rollout-Id"
 ROLLOUT_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 """Letters, digits, ``.``, ``_`` and ``-``: safe in URLs, file names and log lines."""
 CALLER_HEADER = "X-Art-Caller"
-"""Names the part of an agent that made a call (a graph node, an agent); kept in the call's record."""
+"""Names the part of an agent that made a call (a graph node, an agent); kept in the call's record. Its value is the
+label percent-encoded as UTF-8 (``encode_caller``): a header carries ASCII only, and node and agent names need not be
+ASCII. The gateway decodes it (``decode_caller``)."""
+CALLER_MAX_CHARS = 200
+"""The longest caller label kept, in characters; ``encode_caller`` shortens a longer one to fit."""
+_CALLER_SAFE = " !#$&'()*+,./:;=?@[]^_`{|}~-"  # printable ASCII kept as is; '%' and the rest are encoded
 SEED_HEADER = "X-Art-Seed"
 """The sampling seed for a call whose body names none (``seed`` in chat completions; the Responses API has no
 such field): the adapters send one per call of a seeded rollout, so that a run can be replayed."""
@@ -71,6 +76,25 @@ PROMPT_TOKENS_HEADER = "X-Art-Prompt-Tokens"
 """Token ids in the rendered prompt."""
 COMPLETION_TOKENS_HEADER = "X-Art-Completion-Tokens"
 """Sampled token ids, summed over the ``n`` choices."""
+
+
+def encode_caller(label: str) -> str:
+    """``label`` as an ``X-Art-Caller`` value: at most ``CALLER_MAX_CHARS`` characters (a longer one keeps its start
+    and ends in "..."), control characters made spaces, then percent-encoded as UTF-8."""
+    from urllib.parse import quote
+
+    label = re.sub(r"[\x00-\x1f\x7f]", " ", label)
+    if len(label) > CALLER_MAX_CHARS:
+        label = label[: CALLER_MAX_CHARS - 3] + "..."
+    return quote(label, safe=_CALLER_SAFE)
+
+
+def decode_caller(value: str) -> str:
+    """The label an ``X-Art-Caller`` value names (``encode_caller``'s inverse; a value sent without encoding comes
+    back unchanged unless it holds a ``%`` followed by two hex digits)."""
+    from urllib.parse import unquote
+
+    return unquote(value, errors="replace")
 
 
 def call_headers(request_id: str, adapter_step: int, prompt_tokens: int,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import httpx
 from openai import AsyncOpenAI
 
+from art_core.wire import encode_caller
+
 from fakes import TOOL_REPLY, WEATHER_TOOL
 
 
@@ -49,6 +51,21 @@ async def test_responses_records_hold_chat_format_messages(gateway, engine):
 
 async def test_an_invalid_caller_header_is_a_400(gateway):
     async with httpx.AsyncClient(base_url=gateway.url) as http:
-        answer = await http.post("/v1/chat/completions", headers={"X-Art-Caller": "a\tb"},
-                                 json={"model": "agent", "messages": [{"role": "user", "content": "hi"}]})
-    assert answer.status_code == 400 and "X-Art-Caller" in answer.json()["error"]["message"]
+        for value in ("a\tb", "a%09b", "x" * 201):  # a control character, sent as is or encoded; too long
+            answer = await http.post("/v1/chat/completions", headers={"X-Art-Caller": value},
+                                     json={"model": "agent", "messages": [{"role": "user", "content": "hi"}]})
+            assert answer.status_code == 400 and "X-Art-Caller" in answer.json()["error"]["message"], value
+
+
+async def test_a_caller_label_of_any_characters_reaches_the_record_as_it_was(gateway):
+    """Headers carry ASCII: the adapters percent-encode a label (``encode_caller``), the gateway decodes it. A label
+    over 200 characters is shortened by the encoder, not refused."""
+    labels = ["équipe 写作/write", "50%_off", "a%20b", "node " * 50]
+    async with httpx.AsyncClient(base_url=gateway.url) as http:
+        for i, label in enumerate(labels):
+            answer = await http.post(f"/rollouts/lbl{i}/v1/chat/completions",
+                                     headers={"X-Art-Caller": encode_caller(label)},
+                                     json={"model": "agent", "messages": [{"role": "user", "content": "hi"}]})
+            assert answer.status_code == 200, answer.text
+    recorded = [gateway.records.for_rollout(f"lbl{i}")[0].caller for i in range(len(labels))]
+    assert recorded == [*labels[:3], labels[3][:197] + "..."]

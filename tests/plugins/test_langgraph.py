@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
@@ -25,6 +26,7 @@ from langgraph.checkpoint.memory import MemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import add_messages
 from langgraph.prebuilt import ToolNode, create_react_agent, tools_condition
+from langgraph.runtime import Runtime
 from langgraph.types import interrupt
 
 from art_core import LocalBackend, TrainableModel
@@ -242,6 +244,59 @@ async def test_only_the_trainable_node_is_routed(model, scripted_dir):
     assert trajectory.final_state["route"] == "Good."
 
 
+async def test_calls_in_subgraphs_are_labelled_with_their_node_path_and_any_name_round_trips(model):
+    """Two sub-agents built alike (each a subgraph with a node "write") are told apart by the path of the node that
+    made the call; node names that are not ASCII, hold a "%" or are very long reach the record as they are
+    (a long one shortened to 200 characters), never refused by the gateway."""
+    long_name = "step " * 60  # 300 characters
+
+    def writer_subgraph() -> Any:
+        llm = _llm()
+
+        def write(state: State) -> dict[str, Any]:
+            return {"messages": [llm.invoke([SystemMessage(WRITER_SYSTEM), state["messages"][0]])]}
+
+        return StateGraph(State).add_node("write", write).add_edge(START, "write").compile()
+
+    builder = StateGraph(State)
+    for name in ("équipe 写作", "50%_off", long_name):
+        builder.add_node(name, writer_subgraph())
+    builder.add_edge(START, "équipe 写作").add_edge("équipe 写作", "50%_off").add_edge("50%_off", long_name)
+    trajectory = await trainable(builder.compile(), model).rollout({"messages": [("user", "Greet Ada.")]})
+
+    shortened = (long_name + "/write")[:197] + "..."
+    assert sorted(c.caller for h in trajectory.histories() for c in h.calls) == sorted(
+        ["équipe 写作/write", "50%_off/write", shortened])
+    assert len(shortened) == 200
+
+
+@dataclass
+class Greeting:
+    """A graph's runtime context (``StateGraph(..., context_schema=Greeting)``)."""
+
+    system_prompt: str
+
+
+@pytest.mark.parametrize("method", ["invoke", "ainvoke", "astream", "astream_events"])
+async def test_a_graph_reads_the_runtime_context_the_rollout_passes(model, method):
+    """LangGraph's runtime context (``graph.invoke(input, context=...)``, read by nodes as ``runtime.context``)
+    is passed by ``rollout`` and ``group`` whatever the method."""
+    llm = _llm()
+
+    def writer(state: State, runtime: Runtime[Greeting]) -> dict[str, Any]:
+        return {"messages": [llm.invoke([SystemMessage(runtime.context.system_prompt), *state["messages"]])]}
+
+    graph = (StateGraph(State, context_schema=Greeting).add_node("writer", writer).add_edge(START, "writer")
+             .compile())
+    agent = trainable(graph, model)
+    group = await agent.group({"messages": [("user", "Greet Ada.")]}, n=2, context=Greeting(WRITER_SYSTEM),
+                              method=method)
+    assert not group.exceptions and len(group) == 2
+    for trajectory in group:
+        assert [_summary(m) for m in trajectory.messages] == [
+            ("system", WRITER_SYSTEM, []), ("user", "Greet Ada.", []), ("assistant", "Hello, Ada!", [])]
+
+
 async def test_a_trimmed_context_becomes_an_additional_history(model):
     trajectory = await trainable(trimming_graph(), model).rollout({"messages": [("user", "What is 2 + 2?")]})
 
@@ -423,6 +478,16 @@ async def test_a_run_over_its_step_limit_is_kept_and_marked_truncated(model):
     assert trajectory.metadata["truncated"] is True and trajectory.metadata["stop_reason"] == "recursion_limit"
     assert len(trajectory.calls) == 1
     assert trajectory.final_state["messages"][-1].tool_calls[0]["name"] == "add"  # the last state it reached
+
+
+@pytest.mark.parametrize("method", ["invoke", "ainvoke", "astream", "astream_events"])
+async def test_a_step_limit_set_on_the_graph_holds_whatever_the_method(model, method):
+    """``graph.with_config(recursion_limit=2)``: LangGraph's ``astream_events`` alone leaves a limit bound that way
+    out (1.2); the rollout passes it on, so every method stops where the others do."""
+    agent = trainable(routed_graph().with_config(recursion_limit=2), model)
+    trajectory = await agent.rollout({"messages": [("user", "Compute 5 + 6.")]}, method=method)
+    assert trajectory.metadata["truncated"] is True and trajectory.metadata["stop_reason"] == "recursion_limit"
+    assert len(trajectory.calls) == 1
 
 
 async def test_a_run_over_its_time_limit_is_kept_and_marked_truncated(model):

@@ -21,19 +21,21 @@ from .tokens import Detokenizer
 from ..wire import (  # re-exported: the routes import them from here
     ADAPTER_STEP_HEADER,
     CALLER_HEADER,
+    CALLER_MAX_CHARS,
     COMPLETION_TOKENS_HEADER,
     PROMPT_TOKENS_HEADER,
     REQUEST_ID_HEADER,
     ROLLOUT_ID_PATTERN,
     SEED_HEADER,
     call_headers,
+    decode_caller,
 )
 
 __all__ = ["ADAPTER_STEP_HEADER", "CALLER_HEADER", "COMPLETION_TOKENS_HEADER", "PROMPT_TOKENS_HEADER",
            "REQUEST_ID_HEADER", "ROLLOUT_ID_PATTERN", "SEED_HEADER", "GatewayState", "call_headers", "check_rollout_id",
            "get_state", "request_scope", "request_seed", "rollout_scope"]
 
-_CALLER = re.compile(r"^[^\x00-\x1f\x7f]{1,200}$")
+_CALLER = re.compile(r"^[^\x00-\x1f\x7f]+$")
 _SEED_LIMIT = 2**63
 
 
@@ -130,15 +132,18 @@ def request_seed(request: Request) -> int | None:
 
 
 def _caller_of(request: Request) -> str | None:
-    """The ``X-Art-Caller`` header: which part of the agent made the call (1-200 printable characters).
+    """The ``X-Art-Caller`` header, decoded (``wire.decode_caller``): which part of the agent made the call.
 
     Raises:
-        APIError: 400 when the header is empty, too long or holds control characters.
+        APIError: 400 when the header or the label it encodes is empty, holds control characters, or the label is
+            longer than ``CALLER_MAX_CHARS`` (``wire.encode_caller`` makes a valid value of any label).
     """
     value = request.headers.get(CALLER_HEADER)
     if value is None:
         return None
-    if not _CALLER.fullmatch(value):
-        raise APIError(400, f"the {CALLER_HEADER} header {value[:60]!r} is invalid: send 1-200 printable characters",
-                       param=CALLER_HEADER, code="invalid_caller")
-    return value
+    label = decode_caller(value) if _CALLER.fullmatch(value) else ""
+    if not _CALLER.fullmatch(label) or len(label) > CALLER_MAX_CHARS:
+        raise APIError(400, f"the {CALLER_HEADER} header {value[:60]!r} is invalid: send a label of 1-"
+                       f"{CALLER_MAX_CHARS} printable characters, percent-encoded as UTF-8 "
+                       f"(art_core.wire.encode_caller)", param=CALLER_HEADER, code="invalid_caller")
+    return label
