@@ -30,7 +30,10 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
+from art_core._served_loops import loop_serving
+from art_core.errors import ConfigError
 from art_core.wire import CALLER_HEADER, SEED_HEADER, encode_caller
 
 __all__ = ["CountingTransport", "Route", "current_route", "derive_seed", "routed", "unrouted", "wrappers_installed"]
@@ -50,6 +53,10 @@ def derive_seed(seed: int, index: int) -> int:
     """
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1
+
+
+_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+"""Hosts whose servers may be this process's own (``check_blocking_call``)."""
 
 
 @dataclass(eq=False)
@@ -145,22 +152,32 @@ class Route:
             self.on_response(response)
 
     def check_blocking_call(self) -> None:
-        """Warn (once per rollout) when a synchronous call is made from a thread that runs an event loop.
+        """Refuse a synchronous call made on the thread of the event loop that serves the gateway; warn (once per
+        rollout) about one made on the thread of another running loop.
 
-        The call blocks that loop until answered; if the gateway is served from the same loop (``LocalBackend``
-        serves it in the caller's), it can never answer, and the call hangs until its client times out.
+        The call blocks that loop until answered. A gateway served from the same loop (``LocalBackend`` serves it in
+        the caller's) could never answer: the call would hang until its client timed out (10 minutes per attempt
+        with ChatOpenAI's defaults), so it is refused before it is sent.
+
+        Raises:
+            ConfigError: the gateway is served by the loop running on this thread.
         """
         try:
-            asyncio.get_running_loop()
+            loop = asyncio.get_running_loop()
         except RuntimeError:
             return  # an ordinary thread (a graph's sync node, a worker): the loop stays free
+        fix = ("Run the graph with ainvoke/astream (or trainable(...).rollout(method='invoke'), which uses a thread of "
+               "its own), or call invoke from a thread: await asyncio.to_thread(graph.invoke, ...)")
+        address = urlsplit(self.base_url)
+        if address.hostname in _LOOPBACK and loop_serving(address.port) is loop:
+            raise ConfigError("a synchronous call to the trainable model was made on the thread of the event loop "
+                              "that serves its gateway: blocked until answered, that loop could never answer it. "
+                              + fix)
         if not self._warned_loop:
             self._warned_loop = True
             logger.warning(
                 "a synchronous call to the trainable model is made from the thread of a running event loop: it "
-                "blocks the loop until answered, and a gateway served from that loop (LocalBackend) can never "
-                "answer it. Run the graph with ainvoke/astream (or trainable(...).rollout(method='invoke'), which "
-                "uses a thread of its own), or call invoke from a thread: await asyncio.to_thread(graph.invoke, ...)")
+                "blocks the loop until answered, and a gateway served from that loop could never answer it. " + fix)
 
     def caller_label(self) -> str | None:
         """The ``X-Art-Caller`` value for the call being made now (the part of the agent making it), if any."""

@@ -16,8 +16,8 @@ as before. Each routed call is labelled with the LangGraph node that made it.
 its last state); ``method="ainvoke"``, ``"invoke"`` or ``"astream_events"`` run it those ways. To drive
 the graph yourself, open the scope: ``with agent.capture() as run: graph.invoke(...)``, then
 ``run.trajectory(final_state=...)`` (call the sync API from a thread, never from the event loop that serves a
-``LocalBackend``'s gateway: blocked, it could not answer; the routing layer warns when that happens). In async
-code, ``async with agent.capture() as run: await graph.ainvoke(...)``, then
+``LocalBackend``'s gateway: blocked, it could not answer, so a call to the trainable model made there is refused
+at once with a ``ConfigError``). In async code, ``async with agent.capture() as run: await graph.ainvoke(...)``, then
 ``await run.fetch_trajectory(final_state=...)``: the records are fetched without blocking the loop.
 
 Synchronous nodes (``def work(state)``) are fine, in any number: under ``astream``/``ainvoke`` LangGraph runs

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import operator
 import threading
 import uuid
@@ -32,6 +33,7 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.types import Send
 
 from art_core import LocalBackend, TrainableModel, Trajectory, TrajectoryGroup
+from art_core.errors import ConfigError
 from art_plugins import _routing
 from art_plugins.langgraph import NoTrainableCallsError, trainable
 
@@ -267,14 +269,32 @@ async def test_a_run_stopped_before_any_call_does_not_blame_the_model_name(model
     assert "default thread pool" in message and "model_names" not in message
 
 
-async def test_a_sync_call_that_blocks_the_gateways_event_loop_is_named(model: TrainableModel,
-                                                                        caplog: pytest.LogCaptureFixture):
-    # graph.invoke straight from a coroutine: the call blocks the loop the gateway is served from, so no answer can
-    # come, whatever the client's timeout. The routing layer says so before the call starts.
+async def test_a_sync_call_that_blocks_the_gateways_event_loop_is_refused_at_once(model: TrainableModel):
+    # graph.invoke straight from a coroutine: the call would block the loop the gateway is served from, so no
+    # answer could come (it hung until the client's timeout: 10 minutes an attempt with ChatOpenAI's defaults).
+    # The routing layer refuses it before sending, with ChatOpenAI's default retries too.
     llm = ChatOpenAI(model=NAME, base_url=f"http://127.0.0.1:9/{uuid.uuid4().hex[:8]}/v1", api_key="unused",
-                     max_tokens=8, timeout=0.5, max_retries=0)
-    with caplog.at_level("WARNING", logger="art_plugins._routing"), trainable(map_reduce(sync=True), model).capture():
-        with pytest.raises(openai.APITimeoutError):
+                     max_tokens=8)
+    with trainable(map_reduce(sync=True), model).capture() as run:
+        with pytest.raises(ConfigError) as caught:
             llm.invoke("Hello?")
+    assert "event loop that serves its gateway" in str(caught.value) and "asyncio.to_thread" in str(caught.value)
+    assert run.route.routed_calls == 0  # nothing was sent
+
+
+async def test_a_sync_call_from_another_threads_event_loop_is_answered_with_a_warning(
+        model: TrainableModel, caplog: pytest.LogCaptureFixture):
+    """A loop that does not serve the gateway (one of the user's own, in another thread) is blocked by the call, so
+    the routing layer warns, but the gateway's loop is free and the call is answered."""
+    llm = ChatOpenAI(model=NAME, base_url=f"http://127.0.0.1:9/{uuid.uuid4().hex[:8]}/v1", api_key="unused",
+                     max_tokens=4, max_retries=0)
+
+    async def blocking_call() -> str:
+        return str(llm.invoke("Hello?").content)
+
+    with caplog.at_level("WARNING", logger="art_plugins._routing"), trainable(map_reduce(sync=True), model).capture():
+        context = contextvars.copy_context()  # the rollout's route follows the call into the thread
+        answer = await asyncio.to_thread(context.run, asyncio.run, blocking_call())
+    assert isinstance(answer, str)
     (warning,) = [r.getMessage() for r in caplog.records if r.name == "art_plugins._routing"]
     assert "made from the thread of a running event loop" in warning and "asyncio.to_thread" in warning

@@ -20,6 +20,7 @@ from typing import Any
 
 import uvicorn
 
+from .. import _served_loops
 from ..errors import ConfigError
 
 __all__ = ["EmbeddedServer", "bind", "start_server"]
@@ -78,6 +79,9 @@ async def start_server(app: Any, sock: socket.socket, *, failed: Callable[[BaseE
     )
     server = EmbeddedServer(uvicorn.Config(app, **{**options, **config}))
     task = asyncio.create_task(server.serve(sockets=[sock]), name="art-uvicorn")
+    loop, port = asyncio.get_running_loop(), sock.getsockname()[1]
+    _served_loops.serving(port, loop)  # a sync call to this port from this loop's thread would hang: _routing.py
+    task.add_done_callback(lambda _: _served_loops.forget(port, loop))
     while not server.started:
         if task.done():
             error = task.exception() if not task.cancelled() else None
