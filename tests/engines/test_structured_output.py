@@ -251,6 +251,38 @@ def test_a_forced_call_beside_a_response_format_gets_calls_only(grammar, tool_ch
     assert not grammar.takes(params.grammar, '{"department": "billing"}')
 
 
+ORDER_TOOL = {"type": "function", "function": {"name": "order", "description": "Place an order.", "parameters": {
+    # what the Agents SDK sends for def order(o: Order) with Order a Pydantic model: the model under $defs
+    "$defs": {"Order": {"properties": {"item": {"type": "string"}, "qty": {"type": "integer"},
+                                       "size": {"$ref": "#/$defs/Size"}},
+                        "required": ["item", "qty", "size"], "type": "object", "additionalProperties": False},
+              "Size": {"enum": ["small", "large"], "type": "string"}},
+    "properties": {"o": {"$ref": "#/$defs/Order"}, "again": {"$ref": "#/properties/o"}},
+    "required": ["o"], "type": "object", "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("extra", [{"tool_choice": "required"}, {"tool_choice": "auto", "response_format": {
+    "type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}}], ids=["required", "beside_a_format"])
+def test_a_tool_whose_arguments_use_definitions_is_constrained_by_them(grammar, extra):
+    """Tool parameters with ``$defs`` and references into them (a Pydantic model, enum or dataclass as an
+    argument): the grammar nests each tool's schema inside a call's, where "#/$defs/..." must still resolve.
+    llguidance refused the grammar before ("Pointer '/$defs/Order' does not exist"), a 400 for every such run."""
+    from art_core.gateway.parsing import sampling_params
+    from art_core.gateway.schemas import ChatCompletionRequest
+
+    request = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "tools": [ORDER_TOOL], **extra}
+    params = sampling_params(ChatCompletionRequest.model_validate(request), GatewaySettings(model_name="tiny"))
+    order = '{"item": "apple", "qty": 2, "size": "large"}'
+
+    def call(arguments: str) -> str:
+        return '<tool_call>\n{"name": "order", "arguments": %s}\n</tool_call>' % arguments
+
+    assert grammar.accepts(params.grammar, call('{"o": %s}' % order))
+    assert grammar.accepts(params.grammar, call('{"o": %s, "again": %s}' % (order, order)))  # "#/properties/o"
+    assert not grammar.takes(params.grammar, call('{"o": {"item": "apple", "qty": 2, "size": "huge"}}'))
+    assert not grammar.takes(params.grammar, call('{"o": {"item": "apple", "qty": "two", "size": "large"}}'))
+
+
 @pytest.mark.parametrize("extra", [{"tool_choice": "required"},
                                    {"response_format": {"type": "json_object"}}], ids=["required", "beside_a_format"])
 def test_parallel_tool_calls_false_allows_one_call(grammar, extra):

@@ -334,9 +334,11 @@ def hermes_tool_call_grammar(tools: list[tuple[str, dict[str, Any] | None]], *, 
     """
     alternatives = []
     for name, parameters in tools:
-        arguments = parameters or {"type": "object", "properties": {}, "additionalProperties": False}
+        arguments, definitions = _nested_schema(parameters or {"type": "object", "properties": {},
+                                                              "additionalProperties": False}, "/properties/arguments")
         schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
-                  "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": _JSON_OPTIONS}
+                  "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": _JSON_OPTIONS,
+                  **definitions}
         alternatives.append("%json " + json.dumps(schema))
     calls = 'call ("\\n" call)*' if multiple else "call"
     rules = [
@@ -349,6 +351,34 @@ def hermes_tool_call_grammar(tools: list[tuple[str, dict[str, Any] | None]], *, 
     if or_json is not None:
         rules.append("answer: %json " + json.dumps({**or_json, "x-guidance": _JSON_OPTIONS}))
     return "\n".join(rules) + "\n"
+
+
+_DEFINITIONS = ("$defs", "definitions")
+
+
+def _nested_schema(schema: dict[str, Any], at: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``schema`` made valid at JSON pointer ``at`` of an enclosing schema: its definitions (``$defs``,
+    ``definitions``) are returned apart, to go to the enclosing root, where its ``"#/$defs/..."`` references point;
+    its other root-relative references (``"#"``, ``"#/properties/..."``) get ``at`` in front. Pydantic models,
+    dataclasses and enums as tool arguments give such schemas (the Agents SDK's, LangChain's)."""
+    definitions = {key: schema[key] for key in _DEFINITIONS if key in schema}
+    if not definitions and '"$ref"' not in json.dumps(schema):
+        return schema, {}
+
+    def moved(node: Any) -> Any:
+        if isinstance(node, list):
+            return [moved(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        out = {key: moved(value) for key, value in node.items()}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and not any(
+                ref.startswith(f"#/{key}/") for key in _DEFINITIONS):
+            out["$ref"] = "#" + at + ref[1:]
+        return out
+
+    body = moved({key: value for key, value in schema.items() if key not in _DEFINITIONS})
+    return body, {key: moved(value) for key, value in definitions.items()}
 
 
 def _parse_hermes(text: str) -> ParsedCompletion:
