@@ -274,7 +274,8 @@ class TrainableRunner:
                 raise error
         last_agent = result.last_agent if result is not None else _last_agent(error)
         trajectory = await capture.fetch_trajectory(final_output=result.final_output if result is not None else None,
-                                                    last_agent=last_agent, error=error)
+                                                    last_agent=last_agent, error=error,
+                                                    interruptions=_interruptions(result))
         return result, capture.scope.scored(await score(trajectory, reward))
 
     def run_streamed(self, starting_agent: Agent[Any], input: RunInput, *, reward: RewardFn | None = None,
@@ -440,15 +441,17 @@ class AgentCapture:
         return await self.scope.fetch_made_calls()
 
     async def fetch_trajectory(self, *, final_output: Any = None, last_agent: Agent[Any] | None = None,
-                               error: BaseException | None = None, stop_reason: str | None = None) -> Trajectory:
+                               error: BaseException | None = None, stop_reason: str | None = None,
+                               interruptions: Iterable[Any] = ()) -> Trajectory:
         """``trajectory``, with the gateway's records fetched without blocking the event loop."""
-        stop_reason, metadata = self._labels(final_output, last_agent, error, stop_reason)
+        stop_reason, metadata = self._labels(final_output, last_agent, error, stop_reason, interruptions)
         trajectory = await self.scope.fetch_trajectory(final_state=final_output, stop_reason=stop_reason,
                                                        metadata=metadata, main_caller=metadata.get("last_agent"))
         return self._reported(trajectory, error, metadata)
 
     def trajectory(self, *, final_output: Any = None, last_agent: Agent[Any] | None = None,
-                   error: BaseException | None = None, stop_reason: str | None = None) -> Trajectory:
+                   error: BaseException | None = None, stop_reason: str | None = None,
+                   interruptions: Iterable[Any] = ()) -> Trajectory:
         """The run as a trajectory (not yet scored): histories from the gateway's records, and what the run reported.
 
         It waits for the records in the calling thread; async code should ``await fetch_trajectory(...)``.
@@ -458,20 +461,28 @@ class AgentCapture:
             last_agent: the agent the run ended with (``metadata["last_agent"]``): its history is the main one.
             error: the SDK error that stopped the run, if any: it sets the stop reason and goes to ``logs``.
             stop_reason: why the run stopped early, when ``error`` does not say (e.g. ``"cancelled"``).
+            interruptions: the result's ``interruptions`` (tool calls waiting for a human's approval): the run is
+                paused, not finished, and says so (``stop_reason="interrupted"``; ``metadata["interruptions"]``: the
+                waiting tools' names, comma-separated).
 
         Raises:
             NoTrainableCallsError: the run never called the trainable model.
         """
-        stop_reason, metadata = self._labels(final_output, last_agent, error, stop_reason)
+        stop_reason, metadata = self._labels(final_output, last_agent, error, stop_reason, interruptions)
         # The run's own agent's history is the main one, even when a guardrail's checker called after it.
         trajectory = self.scope.trajectory(final_state=final_output, stop_reason=stop_reason, metadata=metadata,
                                            main_caller=metadata.get("last_agent"))
         return self._reported(trajectory, error, metadata)
 
     def _labels(self, final_output: Any, last_agent: Agent[Any] | None, error: BaseException | None,
-                stop_reason: str | None) -> tuple[str | None, dict[str, Any]]:
+                stop_reason: str | None, interruptions: Iterable[Any] = ()) -> tuple[str | None, dict[str, Any]]:
         stop_reason = _stop_reason(error) if error is not None else stop_reason or self._handled_stop
         metadata: dict[str, Any] = {"final_output": _as_text(final_output)}
+        pending = list(interruptions)
+        if pending and error is None:  # paused for a human's approval (needs_approval tools)
+            stop_reason = stop_reason or "interrupted"
+            metadata["interruptions"] = ", ".join(str(getattr(item, "tool_name", None) or type(item).__name__)
+                                                  for item in pending)  # the tools waiting, by name
         if last_agent is not None:
             metadata["last_agent"] = last_agent.name
         if error is not None:
@@ -621,19 +632,27 @@ class StreamedRun:
             await self._capture._aclose()
             if self._timed_out and error is None:
                 error = TimeoutError(f"the run took longer than timeout={self._timeout} s")
-            if error is not None:
-                await self._capture.scope.settle()  # a call the error cut is recorded once the gateway sees the cut
-                if not isinstance(error, TimeoutError) and not await self._capture.fetch_made_calls():
-                    raise error
             result = self.result
             final_output = result.final_output if error is None else None
-            cancelled = error is None and final_output is None  # cancel(): the run ended without an output
+            # cancel(): the run ended without an output (a run paused for an approval has none either)
+            cancelled = error is None and final_output is None and not _interruptions(result)
+            if error is not None or cancelled:
+                # a call the error or cancel() cut is recorded once the gateway sees the cut: wait for it
+                await self._capture.scope.settle()
+                if (error is not None and not isinstance(error, TimeoutError)
+                        and not await self._capture.fetch_made_calls()):
+                    raise error
             trajectory = await self._capture.fetch_trajectory(
                 final_output=final_output, last_agent=result.last_agent, error=error,
-                stop_reason="cancelled" if cancelled else None)
+                stop_reason="cancelled" if cancelled else None, interruptions=_interruptions(result))
             self._trajectory = self._capture.scope.scored(await score(trajectory, self._reward))
         except BaseException as exc:
             self._failure = exc
             raise
         finally:
             self._done.set()
+
+
+def _interruptions(result: Any) -> list[Any]:
+    """A run result's pending approvals (``interruptions``; none on SDKs before human-in-the-loop)."""
+    return list(getattr(result, "interruptions", None) or []) if result is not None else []

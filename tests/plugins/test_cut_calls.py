@@ -142,6 +142,22 @@ async def test_an_agents_sdk_streamed_run_cut_mid_call_keeps_the_call(model: Tra
     CUT.append(trajectory)
 
 
+async def test_an_agents_sdk_streamed_run_the_user_cancels_mid_call_keeps_the_call(model: TrainableModel,
+                                                                                   held_mid_call: Any):
+    """``streamed.result.cancel()`` while a call streams (held after its first tokens): the run ends marked
+    ``stop_reason="cancelled"`` with the cut call kept. Its trajectory was fetched before the gateway had recorded
+    the cut, and the run raised ``NoTrainableCallsError`` ("never answered") instead."""
+    streamed = TrainableRunner(model).run_streamed(solver(), "What is 4 + 4?")
+    async for event in streamed.stream_events():
+        if event.type == "raw_response_event" and event.data.type == "response.output_text.delta":
+            streamed.result.cancel()  # the call is held at the gate: cancelled mid-call, whatever the machine
+    _, trajectory = await streamed.wait()
+    assert trajectory.metadata["stop_reason"] == "cancelled" and trajectory.metadata["truncated"] is True
+    (call,) = trajectory.calls
+    assert call.finish_reason == "cancelled" and 0 < len(call.completion_token_ids) < 1024
+    assert not trajectory.metadata.get("unanswered_calls") and not _routing.installed()
+
+
 async def test_a_grpo_step_trains_on_the_cut_trajectories(model: TrainableModel):
     assert len(CUT) == 3, "run the whole module: this test trains on the trajectories the others cut"
     for reward, trajectory in zip([1.0, 0.0, 0.5], CUT, strict=True):

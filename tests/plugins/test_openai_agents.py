@@ -196,6 +196,26 @@ def shape(trajectory: Any) -> list[tuple[str, str | None, list[str]]]:
 # --- runs that finish ----------------------------------------------------------------------------------
 
 
+@function_tool(name_override="add", needs_approval=True)  # the script's tool, gated by a human's approval
+def add_with_approval(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+async def test_a_run_paused_for_a_humans_approval_says_so(model: TrainableModel):
+    """A tool with ``needs_approval`` pauses the run (the SDK's human-in-the-loop: ``result.interruptions``, then
+    ``result.to_state()`` to resume): the trajectory is marked paused, not taken for a run that ended with no
+    answer. (Resumed from ``result.to_state()``, the rest of the run is a rollout of its own.)"""
+    agent = Agent(name="Calculator", instructions=CALCULATOR, tools=[add_with_approval], model=MODEL,
+                  model_settings=SETTINGS)
+    runner = TrainableRunner(model)
+    result, trajectory = await runner.run(agent, "What is 3 + 4?")
+    assert result is not None and [item.tool_name for item in result.interruptions] == ["add"]
+    assert trajectory.metadata["stop_reason"] == "interrupted" and trajectory.metadata["truncated"] is True
+    assert trajectory.metadata["interruptions"] == "add" and len(trajectory.calls) == 1
+    assert shape(trajectory)[-1] == ("assistant", None, ['add{"a": 3, "b": 4}'])  # the call waiting for approval
+
+
 async def test_function_tools(model: TrainableModel):
     runner = TrainableRunner(model)
     seen: dict[str, Any] = {}
