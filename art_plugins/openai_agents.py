@@ -63,6 +63,8 @@ from contextvars import ContextVar, Token
 from types import AsyncGeneratorType, TracebackType
 from typing import Any, cast
 
+import openai
+
 from art_core import TrainableModel, Trajectory, TrajectoryGroup
 from art_core.errors import ConfigError, LifecycleError
 
@@ -394,8 +396,23 @@ class AgentCapture:
         if self._capture_token is not None:
             _current_capture.reset(self._capture_token)
             self._capture_token = None
+        if exc is not None:
+            self._explain(exc)
         await self.scope.__aexit__(exc_type, exc, tb)
         await self._close_providers()
+
+    def _explain(self, error: BaseException) -> None:
+        """Note on an OpenAI error raised inside the scope where the call most likely went instead of the gateway."""
+        if not isinstance(error, openai.OpenAIError) or any(
+                note.startswith("art-plugins:") for note in getattr(error, "__notes__", ())):
+            return  # not an OpenAI error, or explained already (runner.run notes its own)
+        if self._providers:  # the run had our RunConfig: an agent started outside it (a guardrail's checker)
+            _note_outside_call(error, self.scope.model)
+        else:
+            error.add_note("art-plugins: no Runner.run inside this runner.capture() scope took its RunConfig, so the "
+                           "SDK called its default client (hence an OpenAI error: a missing key, a model only the "
+                           "gateway serves). Pass run_config=run.run_config() to Runner.run / Runner.run_streamed "
+                           "inside the scope (or use runner.run(...), which does it).")
 
     def run_config(self, base: RunConfig | dict[str, Any] | None = None) -> RunConfig:
         """``base`` (default: ``RunConfig()``) with the trainable model's provider, call labels, tool-error

@@ -279,6 +279,20 @@ async def test_driving_the_sdk_yourself(model: TrainableModel):
     assert [c.caller for c in trajectory.calls] == ["Calculator"] * 2
 
 
+async def test_driving_the_sdk_yourself_without_the_run_config_says_what_is_missing(
+        model: TrainableModel, monkeypatch: pytest.MonkeyPatch):
+    """The natural slip when wrapping existing code: ``Runner.run`` inside ``capture()`` without
+    ``run_config=run.run_config()``. The SDK then calls its default client, and its OpenAI error (here a missing
+    key) carries a note naming the fix."""
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(openai.OpenAIError) as caught:
+        async with TrainableRunner(model).capture():
+            await Runner.run(calculator(), "What is 3 + 4?")
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "run_config=run.run_config()" in notes, (caught.value, notes)
+    assert not _routing.installed()
+
+
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "streamed"])
 @pytest.mark.parametrize("way", ["api_argument", "sdk_default", "model_object"])
 async def test_chat_completions(model: TrainableModel, way: str, streamed: bool):
