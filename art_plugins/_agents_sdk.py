@@ -10,6 +10,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import os
+import sys
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextvars import ContextVar
 from typing import Any, Literal, cast
@@ -184,8 +187,44 @@ def _builds_own_model(agent: Agent[Any], run_config: RunConfig | dict[str, Any] 
         for tool in getattr(current, "tools", None) or ():
             inner = getattr(tool, "_agent_instance", None)  # Agent.as_tool() keeps its agent here
             if inner is not None:
+                if _tool_run_config(tool) is not None:
+                    _warn_own_run_config(tool, inner)
                 stack.append(inner)
     return False
+
+
+def _tool_run_config(tool: Any) -> RunConfig | None:
+    """The ``RunConfig`` an ``Agent.as_tool(..., run_config=...)`` tool was given, if any.
+
+    The SDK keeps it only in the closure of the tool's invoker (0.24: ``on_invoke_tool._invoke_tool_impl``), so it is
+    looked for there; where the SDK keeps it elsewhere this finds nothing, and the run goes on as before.
+    """
+    invoker = getattr(tool, "on_invoke_tool", None)
+    for function in (getattr(invoker, "_invoke_tool_impl", None), invoker):
+        for cell in getattr(function, "__closure__", None) or ():
+            with contextlib.suppress(ValueError):  # an empty cell
+                if isinstance(cell.cell_contents, RunConfig):
+                    return cell.cell_contents
+    return None
+
+
+def _warn_own_run_config(tool: Any, agent: Agent[Any]) -> None:
+    warnings.warn(
+        f"the agent {agent.name!r} is used as a tool ({getattr(tool, 'name', '?')!r}) with a run_config of its own: the "
+        "SDK runs it with that RunConfig instead of the run's, so its calls do not reach the trainable model (they go "
+        "to that RunConfig's provider, by default the SDK's OpenAI client) and are not in the trajectory; when they "
+        "fail, as_tool's failure handler only tells the model that the tool failed. Leave run_config out of "
+        "as_tool() to have the agent run on the run's configuration.", stacklevel=_callers_level())
+
+
+def _callers_level() -> int:
+    """``warnings.warn``'s stacklevel for the first frame outside this package (the user's call), from the caller of
+    this function's caller (Python 3.11 has no ``skip_file_prefixes``)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(2), 2
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == package:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_agent(agent: Any) -> None:

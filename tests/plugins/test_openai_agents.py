@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from art_core import LocalBackend, TrainableModel, TrajectoryGroup
 from art_core.errors import ConfigError
 from art_core.training.trainer import ZeroVarianceGroupsWarning
 from art_plugins import _routing
+from art_plugins._agents_sdk import _builds_own_model
 from art_plugins.openai_agents import NoTrainableCallsError, TrainableRunner, current_run_config
 
 from scripted_model import Conversation, call, fit_scripted_model, say, tool_result
@@ -277,6 +279,22 @@ async def test_driving_the_sdk_yourself(model: TrainableModel):
     trajectory = run.trajectory(final_output=result.final_output, last_agent=result.last_agent)
     assert len(trajectory.calls) == 2 and trajectory.metadata["rollout_id"] == run.rollout_id
     assert [c.caller for c in trajectory.calls] == ["Calculator"] * 2
+
+
+def test_an_agent_used_as_a_tool_with_a_run_config_of_its_own_is_named():
+    """``agent.as_tool(..., run_config=RunConfig(...))``: the SDK runs that agent on that config, not the run's, so
+    its calls escape the trainable model, and as_tool's failure handler hides a failure from the run. Said at once,
+    naming the agent, the tool and the fix."""
+    translator = Agent(name="French", instructions="Translate to French.", model=MODEL, model_settings=SETTINGS)
+    plain = calculator().clone(tools=[add, translator.as_tool("to_french", "Translate to French.")])
+    own = calculator().clone(tools=[add, translator.as_tool("to_french", "Translate to French.",
+                                                               run_config=RunConfig(workflow_name="translate"))])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _builds_own_model(plain, None)
+    with pytest.warns(UserWarning, match=r"'French' is used as a tool \('to_french'\) with a run_config of its own") as caught:
+        _builds_own_model(own, None)
+    assert "Leave run_config out of as_tool()" in str(caught[0].message) and caught[0].filename == __file__
 
 
 async def test_driving_the_sdk_yourself_without_the_run_config_says_what_is_missing(
