@@ -510,6 +510,9 @@ class AgentCapture:
         trajectory.logs.extend(self.tool_errors)
         if error is not None:
             trajectory.logs.append(f"run stopped: {metadata['error']}")
+            if "last_agent" not in trajectory.metadata and trajectory.calls and trajectory.calls[-1].caller:
+                # an SDK error without run_data (output that does not parse): the agent of the run's last call
+                trajectory.metadata["last_agent"] = trajectory.calls[-1].caller
         trajectory.metrics["tool_errors"] = len(self.tool_errors)
         return trajectory
 

@@ -204,6 +204,16 @@ def add_with_approval(a: int, b: int) -> int:
     return a + b
 
 
+async def test_a_run_stopped_on_output_that_does_not_parse_still_names_its_last_agent(model: TrainableModel):
+    """Chat completions, an ``output_type`` and a reply cut at 3 tokens: the SDK stops the run with
+    "Invalid JSON when parsing model output", an error without ``run_data``; the agent of the run's last call is
+    its last agent (``metadata["last_agent"]`` was missing)."""
+    agent = grader().clone(model_settings=ModelSettings(temperature=0, max_tokens=3))
+    result, trajectory = await TrainableRunner(model, api="chat_completions").run(agent, "What is 6 * 7?")
+    assert result is None and trajectory.metadata["stop_reason"] == "model_behavior_error"
+    assert "Invalid JSON" in trajectory.metadata["error"] and trajectory.metadata["last_agent"] == "Grader"
+
+
 async def test_a_run_paused_for_a_humans_approval_says_so(model: TrainableModel):
     """A tool with ``needs_approval`` pauses the run (the SDK's human-in-the-loop: ``result.interruptions``, then
     ``result.to_state()`` to resume): the trajectory is marked paused, not taken for a run that ended with no
