@@ -244,7 +244,7 @@ def _describe(error: BaseException, timeout: float | None) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _note_outside_call(error: BaseException, model: TrainableModel) -> None:
+def _note_outside_call(error: BaseException, model: TrainableModel, *, nested_config_taken: bool = False) -> None:
     """Note on an OpenAI error that did not come from the trainable model's gateway where such calls usually come
     from: an agent a guardrail or tool ran itself (``Runner.run(checker, ...)``), which the SDK gives none of the
     run's configuration, so it went to the SDK's default client (no key there, or a model name only we serve)."""
@@ -256,6 +256,13 @@ def _note_outside_call(error: BaseException, model: TrainableModel) -> None:
     except Exception:  # no gateway to compare with (not registered): say nothing rather than guess
         return
     if request is not None and httpx2.URL(str(request.url)).netloc == gateway:
+        return
+    if nested_config_taken:  # a run the agent's own code started did take current_run_config()
+        error.add_note("art-plugins: this call did not go to the trainable model's gateway. A run started inside this "
+                       "one took run_config=current_run_config(), so its agent most likely builds its own Model "
+                       "object (OpenAIChatCompletionsModel(...), OpenAIResponsesModel(...)), which no RunConfig "
+                       "provider reaches: give that agent the model's name (model=\"...\") instead. An agent on "
+                       "another model needs that model's own credentials.")
         return
     error.add_note("art-plugins: this call did not go to the trainable model's gateway. If it came from an agent that "
                    "a guardrail or tool of the run starts itself (await Runner.run(checker, ...)), pass "

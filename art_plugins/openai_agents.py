@@ -266,7 +266,7 @@ class TrainableRunner:
                     raise  # the agent's own timeout, not ours
                 error = exc
             except Exception as exc:
-                _note_outside_call(exc, self.model)
+                _note_outside_call(exc, self.model, nested_config_taken=capture.nested_config_taken)
                 raise
         if error is not None:
             # A call the error cut (our timeout, a guardrail that tripped mid-call) is recorded once the gateway
@@ -407,12 +407,18 @@ class AgentCapture:
                 note.startswith("art-plugins:") for note in getattr(error, "__notes__", ())):
             return  # not an OpenAI error, or explained already (runner.run notes its own)
         if self._providers:  # the run had our RunConfig: an agent started outside it (a guardrail's checker)
-            _note_outside_call(error, self.scope.model)
+            _note_outside_call(error, self.scope.model, nested_config_taken=self.nested_config_taken)
         else:
             error.add_note("art-plugins: no Runner.run inside this runner.capture() scope took its RunConfig, so the "
                            "SDK called its default client (hence an OpenAI error: a missing key, a model only the "
                            "gateway serves). Pass run_config=run.run_config() to Runner.run / Runner.run_streamed "
                            "inside the scope (or use runner.run(...), which does it).")
+
+    @property
+    def nested_config_taken(self) -> bool:
+        """Whether a run beside the captured one took this scope's ``RunConfig`` (``current_run_config()``): the
+        scope gave out more than one."""
+        return len(self._providers) > 1
 
     def run_config(self, base: RunConfig | dict[str, Any] | None = None) -> RunConfig:
         """``base`` (default: ``RunConfig()``) with the trainable model's provider, call labels, tool-error
@@ -631,7 +637,8 @@ class StreamedRun:
             raise
         except BaseException as exc:
             self._failure = self._capture.scope.explained(exc)  # a teacher's failure, in demonstration mode
-            _note_outside_call(self._failure, self._capture.scope.model)
+            _note_outside_call(self._failure, self._capture.scope.model,
+                               nested_config_taken=self._capture.nested_config_taken)
             self._done.set()
             await self._capture._aclose()
             if self._failure is not exc:

@@ -505,6 +505,24 @@ async def test_a_guardrails_own_agent_without_the_runs_config_fails_with_a_note_
     assert "did not go to the trainable model's gateway" in note and "run_config=current_run_config()" in note
 
 
+async def test_a_guardrails_own_agent_on_a_model_object_fails_with_a_note_naming_that(model: TrainableModel):
+    """The checker is given ``current_run_config()`` but builds its own ``Model`` object, which no RunConfig's
+    provider reaches: its call goes to that object's client (here one that cannot connect), and the note says
+    so instead of suggesting the ``current_run_config()`` already passed. (Routing it is left undone.)"""
+    checker = grader().clone(model=OpenAIChatCompletionsModel(model=MODEL, openai_client=AsyncOpenAI(
+        base_url=UNREACHABLE, api_key="unused", max_retries=0)))
+
+    @input_guardrail(run_in_parallel=False)
+    async def graded(ctx: RunContextWrapper[Any], agent: Agent[Any], text: Any) -> GuardrailFunctionOutput:
+        result = await Runner.run(checker, "What is 6 * 7?", run_config=current_run_config())
+        return GuardrailFunctionOutput(output_info=None, tripwire_triggered=result.final_output != Answer(answer=42))
+
+    with pytest.raises(APIConnectionError) as raised:
+        await TrainableRunner(model).run(calculator().clone(input_guardrails=[graded]), "What is 3 + 4?")
+    (note,) = raised.value.__notes__
+    assert "builds its own Model object" in note and "current_run_config()" in note
+
+
 async def test_an_output_guardrails_own_agent_calls_last_and_the_runs_agent_stays_the_main_history(
         model: TrainableModel):
     """An output guardrail's checker agent makes the run's last call; the main history (what a reward reads) is
