@@ -10,7 +10,8 @@
 The graph's nodes build their chat models as usual (``ChatOpenAI(model="agent")``,
 ``init_chat_model("openai:agent")``). While a rollout runs, requests naming the trainable model go to the
 gateway under the rollout's id; every other model (a judge, a hosted model in another node) is called
-as before. Each routed call is labelled with the LangGraph node that made it.
+as before. Each routed call is labelled with the LangGraph node that made it (its path from the root graph:
+``researcher/agent`` inside a subgraph).
 
 ``rollout`` runs the graph with ``astream`` by default (so a run stopped by its step or time limit keeps
 its last state); ``method="ainvoke"``, ``"invoke"`` or ``"astream_events"`` run it those ways. To drive
