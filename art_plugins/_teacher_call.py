@@ -42,13 +42,17 @@ async def ask_teacher(teacher: Teacher, body: dict[str, Any], client: httpx.Asyn
     Raises:
         TeacherCallError: unreachable, timed out, an error status, or an answer that is not a chat completion.
     """
-    request = {**body, **teacher.params, "model": teacher.model}
+    request = {**_without_aliases_of(body, teacher.params), **teacher.params, "model": teacher.model}
     if teacher.base_url is None:
         return await _ask_litellm(teacher, request)
     url = teacher.base_url.rstrip("/") + "/chat/completions"
     headers = {"authorization": f"Bearer {teacher.api_key}"} if teacher.api_key else {}
     try:
         response = await client.post(url, json=request, headers=headers, timeout=teacher.timeout)
+    except httpx.TimeoutException as exc:
+        raise TeacherCallError(f"teacher {teacher.label} did not answer within Teacher(timeout={teacher.timeout:g}) "
+                               f"seconds ({type(exc).__name__}): raise timeout= for a slow teacher or long answers",
+                               504) from exc
     except httpx.HTTPError as exc:
         raise TeacherCallError(f"teacher {teacher.label} is unreachable: {type(exc).__name__}: {exc or 'no detail'}; "
                                "check base_url and that the server is up", 502) from exc
@@ -62,6 +66,18 @@ async def ask_teacher(teacher: Teacher, body: dict[str, Any], client: httpx.Asyn
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise TeacherCallError(f"teacher {teacher.label} answered with something that is not a chat completion "
                                f"({type(exc).__name__}: {exc}): {response.text[:300]!r}", 502) from exc
+
+
+_ALIASES = ({"max_tokens", "max_completion_tokens"},)
+"""Request fields that name one setting: the agent's client sends one (OpenAI's clients now send
+``max_completion_tokens``), ``Teacher(params=...)`` may set the other."""
+
+
+def _without_aliases_of(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """``body`` without the fields that ``params`` overrides under another name, so that the teacher's setting is the
+    one sent (a server reading ``max_completion_tokens`` first would otherwise keep the agent's)."""
+    dropped = {name for names in _ALIASES if names & params.keys() for name in names - params.keys()}
+    return {key: value for key, value in body.items() if key not in dropped}
 
 
 async def _ask_litellm(teacher: Teacher, request: dict[str, Any]) -> TeacherReply:

@@ -20,7 +20,7 @@ import torch
 from art_core import (LocalBackend, RolloutError, TrainableModel, TrainConfig, TrajectoryError, TrajectoryGroup,
                       pipeline)
 from art_core._cpu import onednn_packing_available
-from art_core.errors import ConfigError
+from art_core.errors import ConfigError, LifecycleError
 from art_core.backends import TransformersOptions
 
 sys.path.insert(0, str(Path(__file__).parent / "backends"))
@@ -418,3 +418,42 @@ async def test_play_returning_something_else_than_a_group_is_a_failure_naming_th
                        max_failures_in_a_row=2, config=CONFIG, log=None)
     with pytest.raises(ConfigError, match=r"pipeline\(steps=True\): give an int >= 1"):
         await pipeline(model, itertools.count(), play, steps=True, groups_per_step=1)
+
+
+async def test_a_rollout_whose_play_lets_a_cancellation_out_is_a_failure_and_the_pipeline_goes_on(
+        model: TrainableModel) -> None:
+    """``play`` raising ``CancelledError`` of its own (a task or timeout inside it, not the pipeline's cancel): a
+    failed rollout, counted and replaced. It used to skip the failure accounting: the synchronous loop then waited
+    forever for a group that would never come."""
+    async def play(task: int) -> TrajectoryGroup:
+        if task == 1:
+            inner = asyncio.create_task(asyncio.Event().wait())
+            inner.cancel()
+            await inner  # raises CancelledError out of play, with the pipeline's task not cancelled
+        return await _play_sample(model)
+
+    report = await asyncio.wait_for(  # a bound for the regression only: the run itself takes no fixed time
+        pipeline(model, itertools.count(), play, steps=2, groups_per_step=2, max_off_policy=0, concurrency=2,
+                 config=CONFIG, log=None), timeout=600)
+    assert model.step == 2 and report.rollouts_failed == 1
+    assert isinstance(report.failures[0], asyncio.CancelledError)
+
+
+async def test_bad_settings_and_an_unregistered_model_are_refused_before_any_rollout(
+        model: TrainableModel, tiny_model_dir: Path) -> None:
+    started: list[int] = []
+
+    async def play(task: int) -> TrajectoryGroup:
+        started.append(task)
+        return await _play_sample(model)
+
+    with pytest.raises(ConfigError, match=r"takes a TrainConfig, not dict: pass config=TrainConfig"):
+        await pipeline(model, itertools.count(), play, steps=1, groups_per_step=1, config={"learning_rate": 1e-3})
+    with pytest.raises(ConfigError, match="no_such_option"):  # the loss's options, checked as model.train does
+        await pipeline(model, itertools.count(), play, steps=1, groups_per_step=1,
+                       config=TrainConfig(loss_options={"no_such_option": 1.0}))
+    with pytest.raises(LifecycleError, match=r"not registered: call `await model.register\(backend\)`"):
+        await pipeline(TrainableModel(name="loose", base_model=tiny_model_dir), itertools.count(), play, steps=1,
+                       groups_per_step=1)
+    assert started == []
+

@@ -178,11 +178,18 @@ class TrainableModel:
 
         Returns:
             The step's metrics (also appended to ``history.jsonl``).
+
+        Raises:
+            ConfigError: no group, or ``config`` is not a ``TrainConfig`` (SFT settings go to ``train_sft``).
         """
         groups = list(groups)
         if not groups:
             raise ConfigError("train() got no group: gather at least one TrajectoryGroup first")
-        return await self._run_step(groups, config or TrainConfig())
+        config = config or TrainConfig()
+        if not isinstance(config, TrainConfig):
+            raise ConfigError(f"train() takes a TrainConfig, not {type(config).__name__}: supervised steps go to "
+                              "model.train_sft(data, config=SFTConfig(...))")
+        return await self._run_step(groups, config)
 
     async def train_sft(self, data: str | Path | Sequence[Trajectory] | Sequence[TrajectoryGroup], *,
                         config: SFTConfig | None = None) -> dict[str, float]:
@@ -410,11 +417,29 @@ def _sft_groups(data: str | Path | Sequence[Trajectory] | Sequence[TrajectoryGro
     if not items:
         raise ConfigError("train_sft() got no data: pass a chat file, trajectories or groups")
     if all(isinstance(item, TrajectoryGroup) for item in items):
-        return items  # type: ignore[return-value]
-    if all(isinstance(item, Trajectory) for item in items):
-        return [TrajectoryGroup(items)]  # type: ignore[arg-type]
-    kinds = sorted({type(item).__name__ for item in items})
-    raise ConfigError(f"train_sft() takes a chat file path, trajectories or groups, not a list of {', '.join(kinds)}")
+        groups: list[TrajectoryGroup] = items  # type: ignore[assignment]
+    elif all(isinstance(item, Trajectory) for item in items):
+        groups = [TrajectoryGroup(items)]  # type: ignore[arg-type]
+    else:
+        kinds = sorted({type(item).__name__ for item in items})
+        raise ConfigError(f"train_sft() takes a chat file path, trajectories or groups, not a list of "
+                          f"{', '.join(kinds)}")
+    _check_sft_messages(groups)
+    return groups
+
+
+def _check_sft_messages(groups: list[TrajectoryGroup]) -> None:
+    """Trajectories without call records (hand-written, a teacher's demonstrations) are trained from their messages:
+    check those as a chat file's lines are checked, every problem at once (recorded ones train token-exact)."""
+    from .sft.chat_export import chat_problems
+    from .sft.chat_file import MAX_PROBLEMS
+
+    problems = chat_problems(t for group in groups for t in group.trajectories
+                             if not any(h.calls for h in t.histories()))
+    if problems:
+        more = f"\n  ... and {len(problems) - MAX_PROBLEMS} more" if len(problems) > MAX_PROBLEMS else ""
+        raise ConfigError(f"train_sft(): {len(problems)} problem(s) in the trajectories' messages; fix them and run "
+                          "again:\n  " + "\n  ".join(problems[:MAX_PROBLEMS]) + more)
 
 
 def _wait_for(start: Callable[[], Coroutine[Any, Any, T]]) -> T:

@@ -216,9 +216,25 @@ async def pipeline(model: TrainableModel, tasks: Iterable[T], play: Callable[[T]
                              ("max_failures_in_a_row", max_failures_in_a_row, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigError(f"pipeline({name}={value!r}): give an int >= {low}")
+    if config is not None and not isinstance(config, TrainConfig):
+        raise ConfigError(f"pipeline(config=...) takes a TrainConfig, not {type(config).__name__}: "
+                          "pass config=TrainConfig(learning_rate=..., ...)")
     settings = (config or TrainConfig()).model_copy(update={"max_off_policy": max_off_policy})
+    if hasattr(type(model), "backend"):  # a TrainableModel (not a stand-in): unregistered, LifecycleError naming
+        model.backend  # noqa: B018  # model.register, before any rollout
+    _check_loss(settings)
     return await _Pipeline(model, iter(tasks), play, steps, groups_per_step, max_off_policy, concurrency, settings,
                            log, on_step, max_failures_in_a_row).run()
+
+
+def _check_loss(config: TrainConfig) -> None:
+    """The loss's options checked now, as ``model.train`` checks them, rather than after the first rollouts; skipped
+    where the trainer is not installed (a ``RemoteBackend`` client: its server checks them)."""
+    try:
+        from .training.trainer import check_config
+    except ImportError:
+        return
+    check_config(config)
 
 
 class _Pipeline(Generic[T]):
@@ -274,15 +290,17 @@ class _Pipeline(Generic[T]):
             prepared.cancel()  # a no-op once done (the thread making the copies runs to its end)
             for task in self.rollouts:
                 task.cancel()
-            await asyncio.gather(*self.rollouts, return_exceptions=True)
+            await asyncio.gather(*self.rollouts, prepared, return_exceptions=True)
             for step in steps:  # let the steps finish: no half-written checkpoint or row
-                if not step.done():
-                    with contextlib.suppress(BaseException):
-                        await asyncio.shield(step)
+                with contextlib.suppress(BaseException):
+                    # read even when done: a step queued behind the failed one may have failed too, and an error
+                    # never read is logged by asyncio as "never retrieved"; the first error is the one raised
+                    await (step if step.done() else asyncio.shield(step))
             raise
         for task in self.rollouts:  # enough steps: rollouts still running are not needed
             task.cancel()
-        await asyncio.gather(*self.rollouts, return_exceptions=True)
+        prepared.cancel()  # no step needed it (the tasks ran out first), or done already
+        await asyncio.gather(*self.rollouts, prepared, return_exceptions=True)
         if self.done_steps < self.steps:
             self._ran_out()
         return self.report
@@ -331,7 +349,11 @@ class _Pipeline(Generic[T]):
                     first = f"; the first: {group.exceptions[0]}" if group.exceptions else ""
                     raise ValueError(f"every rollout of the group failed ({len(group.exceptions)} exception(s)"
                                      f"{first})")
-            except Exception as exc:  # counted, reported, and replaced by the next task
+            except (Exception, asyncio.CancelledError) as exc:  # counted, reported, and replaced by the next task
+                current = asyncio.current_task()
+                if isinstance(exc, asyncio.CancelledError) and current is not None and current.cancelling():
+                    raise  # the pipeline cancelled this rollout (it ends, or it is cancelled itself)
+                # a CancelledError that play() let out (a timeout or task of its own): a failure like any other
                 self.admitted -= 1
                 self.failed_since_step += 1
                 self.report.rollouts_failed += 1

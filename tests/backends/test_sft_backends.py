@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_step_contract import CHAT, Served, _group, served  # noqa: F401  (served: the parametrised fixture)
 
-from art_core import LocalBackend, SFTConfig, TrainableModel, TrainConfig
+from art_core import LocalBackend, SFTConfig, TrainableModel, TrainConfig, Trajectory
+from art_core.errors import ConfigError
 from art_core.sft import ChatFileError
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
@@ -93,6 +95,34 @@ async def test_a_bad_chat_file_fails_before_any_work(tiny_model_dir: Path, tmp_p
         assert not (model.model_dir / "trajectories").exists()
         with pytest.raises(Exception, match="takes an SFTConfig"):
             await model.train_sft(_chat_file(tmp_path), config=TrainConfig())  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=r"train\(\) takes a TrainConfig, not SFTConfig: .*model.train_sft"):
+            await model.train([None], config=SFTConfig())  # type: ignore[list-item, arg-type]  # refused first
+        assert model.step == 0 and await model.history() == []
+
+
+async def test_trajectories_without_records_are_checked_as_a_chat_file_is(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """SFT data given as trajectories (hand-written, or demonstrations) gets the chat file's checks, every problem
+    at once: a weight of 0.5 was trained as 1, a tool result answering no call was trained on, and a chat whose only
+    assistant turn has weight 0 got an error about rollouts and the gateway."""
+    def chat(*messages: dict[str, Any]) -> Trajectory:
+        return Trajectory(messages=[{"role": "user", "content": "2+2?"}, *messages])
+
+    data = [chat({"role": "assistant", "content": "4", "weight": 0.5}),
+            chat({"role": "tool", "tool_call_id": "nope", "content": "4"}, {"role": "assistant", "content": "4"}),
+            chat({"role": "assistant", "content": "4", "weight": 0})]
+    async with LocalBackend(path=tmp_path, show_progress=False) as backend:
+        model = TrainableModel(name="checked", base_model=tiny_model_dir)
+        await model.register(backend)
+        with pytest.raises(ConfigError) as caught:
+            await model.train_sft(data)
+        message = str(caught.value)
+        assert "3 problem(s)" in message or "4 problem(s)" in message, message
+        assert f"trajectory {data[0].id} (history 0): messages[1] (assistant) has weight 0.5; use 0" in message
+        assert f"trajectory {data[1].id} (history 0): messages[1] (tool) answers tool_call_id 'nope'" in message
+        assert f"trajectory {data[2].id} (history 0): no assistant message to learn from" in message
+        assert model.step == 0 and await model.history() == []
+        metrics = await model.train_sft([chat({"role": "assistant", "content": "4"})])  # a good one trains
+        assert model.step == 1 and metrics["trained_tokens"] > 0
 
 
 @pytest.mark.parametrize("sharding", ["none", "fsdp"])

@@ -53,6 +53,7 @@ class StandInTeacher:
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
         self.fail: tuple[int, str] | None = None
+        self.hold: threading.Event | None = None  # set: every answer waits for it (a teacher that does not answer)
         teacher = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -62,6 +63,8 @@ class StandInTeacher:
                     return self._send(404 if self.path != "/v1/chat/completions" else 401,
                                       {"error": {"message": f"no {self.path} or bad key"}})
                 teacher.requests.append(body)
+                if teacher.hold is not None:
+                    teacher.hold.wait()
                 if teacher.fail is not None:
                     status, message = teacher.fail
                     return self._send(status, {"error": {"message": message, "type": "invalid_request_error"}})
@@ -260,6 +263,29 @@ async def test_unreachable_teacher_is_named(model: TrainableModel):
     async with agent.demonstrations(Teacher(model="big-teacher", base_url=UNREACHABLE)) as demo:
         with pytest.raises(TeacherError, match=r"teacher big-teacher at http://127.0.0.1:9/v1 is unreachable"):
             await demo.rollout({"messages": [("user", QUESTION)]})
+
+
+async def test_a_teacher_that_does_not_answer_in_time_is_named_with_the_setting(model: TrainableModel,
+                                                                                 teacher: StandInTeacher):
+    teacher.hold = threading.Event()  # never set before the call gives up: the server holds every answer
+    slow = Teacher(model="big-teacher", base_url=teacher.base_url, api_key=teacher.KEY, timeout=0.5)
+    try:
+        async with trainable(calculator_graph(), model).demonstrations(slow) as demo:
+            with pytest.raises(TeacherError, match=r"did not answer within Teacher\(timeout=0.5\) seconds "
+                                                   r"\(ReadTimeout\): raise timeout="):
+                await demo.rollout({"messages": [("user", QUESTION)]})
+    finally:
+        teacher.hold.set()
+
+
+async def test_teacher_params_win_over_the_agents_setting_under_either_name(model: TrainableModel,
+                                                                           teacher: StandInTeacher):
+    """The agent's ChatOpenAI(max_tokens=64) goes out as ``max_completion_tokens``; ``Teacher(params={"max_tokens":
+    ...})`` names the same setting under the other name: the teacher gets the params' value alone."""
+    capped = Teacher(model="big-teacher", base_url=teacher.base_url, api_key=teacher.KEY, params={"max_tokens": 7})
+    async with trainable(calculator_graph(), model).demonstrations(capped) as demo:
+        await demo.rollout({"messages": [("user", QUESTION)]})
+    assert [(r.get("max_tokens"), r.get("max_completion_tokens")) for r in teacher.requests] == [(7, None)] * 2
 
 
 def test_teacher_configuration_errors(model: TrainableModel):

@@ -98,6 +98,24 @@ def test_a_chat_may_end_with_the_call_it_trains(tmp_path):
     assert trajectory.messages[-1].tool_calls and trajectory.messages[-1].tool_calls[0].id == "c1"
 
 
+def test_a_context_turn_may_call_a_tool_the_example_does_not_offer(tmp_path):
+    """A handoff: the first agent's transfer call stays in the second agent's history as context (weight 0), but
+    the tools are the second agent's. A trained turn calling an undeclared tool is still refused."""
+    handed_off = {**TOOL_CHAT, "messages": [
+        TOOL_CHAT["messages"][1],
+        {"role": "assistant", "content": None, "weight": 0, "tool_calls": [
+            {"id": "h1", "type": "function", "function": {"name": "transfer_to_mail", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "h1", "content": "{\"assistant\": \"Mail\"}"},
+        *TOOL_CHAT["messages"][2:]]}
+    (trajectory,) = read_chat_file(write(tmp_path, handed_off))
+    assert trajectory.messages[1].tool_calls[0].function.name == "transfer_to_mail"
+    trained = {**handed_off, "messages": [{**m, "weight": 1} if m.get("weight") == 0 else m
+                                          for m in handed_off["messages"]]}
+    with pytest.raises(ChatFileError) as caught:
+        read_chat_file(write(tmp_path, trained))
+    assert any("calls 'transfer_to_mail', which the example's tools do not declare" in p for p in caught.value.problems)
+
+
 def test_a_long_list_of_problems_is_cut_with_a_count(tmp_path):
     path = write(tmp_path, *["{oops"] * (MAX_PROBLEMS + 5))
     with pytest.raises(ChatFileError) as caught:

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ..errors import ConfigError
 from ..types import Trajectory
 from .chat_file import _check_line
 
-__all__ = ["write_chat_file"]
+__all__ = ["chat_problems", "write_chat_file"]
 
 
 def write_chat_file(path: str | Path, trajectories: Iterable[Trajectory]) -> Path:
@@ -35,12 +35,7 @@ def write_chat_file(path: str | Path, trajectories: Iterable[Trajectory]) -> Pat
     path = Path(path)
     lines = []
     for trajectory in trajectories:
-        for number, history in enumerate(trajectory.histories()):
-            example: dict[str, object] = {"messages": [m.model_dump(mode="json", exclude_none=True)
-                                                       for m in history.messages]}
-            if history.tools:
-                example["tools"] = history.tools
-            line = json.dumps(example, ensure_ascii=False)
+        for number, line in enumerate(_chat_lines(trajectory)):
             problems = _check_line(line)
             if problems:
                 raise ConfigError(f"trajectory {trajectory.id} (history {number}) cannot be written as a chat: "
@@ -51,3 +46,22 @@ def write_chat_file(path: str | Path, trajectories: Iterable[Trajectory]) -> Pat
     tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     tmp.replace(path)
     return path
+
+
+def chat_problems(trajectories: Iterable[Trajectory]) -> list[str]:
+    """What a chat file's checks find in ``trajectories`` (each history as the line it would be), one
+    ``"trajectory <id> (history <k>): ..."`` string per problem: for SFT data given as trajectories without call
+    records (written by hand, or a teacher's demonstrations), checked as strictly as the same data in a file."""
+    return [f"trajectory {trajectory.id} (history {number}): {problem}"
+            for trajectory in trajectories for number, line in enumerate(_chat_lines(trajectory))
+            for problem in _check_line(line)]
+
+
+def _chat_lines(trajectory: Trajectory) -> Iterator[str]:
+    """Each history of ``trajectory`` as a chat file line."""
+    for history in trajectory.histories():
+        example: dict[str, object] = {"messages": [m.model_dump(mode="json", exclude_none=True)
+                                                   for m in history.messages]}
+        if history.tools:
+            example["tools"] = history.tools
+        yield json.dumps(example, ensure_ascii=False)

@@ -13,7 +13,9 @@ The whole file is checked before anything else happens, and every problem found 
 reported at once with its line number, so a user fixes a file in one pass instead of one error per run.
 The checks are the ones that would otherwise surface deep inside a training step: roles, content shapes,
 tool-call ids and JSON arguments, tool results answering a call made earlier in the same chat, calls to
-tools the example declares, and at least one assistant turn to learn from.
+tools the example declares (in trained turns: a ``"weight": 0`` turn is context, such as another agent's handoff
+call before this agent took over, and may call a tool this example does not offer), and at least one assistant
+turn to learn from.
 
 An assistant message may carry OpenAI's ``"weight": 0`` (keep the turn as context, do not train on it) or
 ``1``; it stays on the message for the SFT step to read.
@@ -154,7 +156,9 @@ def _check_messages(messages: list[Any], tool_names: set[str] | None) -> list[st
                             "(or system) message, or give it weight 0")
         if role == "assistant":
             made = set(call_ids)
-            problems += _check_calls(message.get("tool_calls"), where, tool_names, call_ids)
+            # a context turn (weight 0) may call a tool this example does not offer: another agent's, before a handoff
+            offered = tool_names if message.get("weight", 1) != 0 else None
+            problems += _check_calls(message.get("tool_calls"), where, offered, call_ids)
             unanswered = {call_id: where for call_id in call_ids - made}
             weight = message.get("weight", 1)
             if weight not in (0, 1) or isinstance(weight, bool):
