@@ -299,7 +299,8 @@ class _Pipeline(Generic[T]):
             raise
         for task in self.rollouts:  # enough steps: rollouts still running are not needed
             task.cancel()
-        prepared.cancel()  # no step needed it (the tasks ran out first), or done already
+        # the preparation is done unless the tasks ran out before any step: waited for (its error read), so that it
+        # never runs beside the caller's next step
         await asyncio.gather(*self.rollouts, prepared, return_exceptions=True)
         if self.done_steps < self.steps:
             self._ran_out()
