@@ -13,7 +13,7 @@ import pytest
 from tracked_steps import train_steps
 
 from art_core import ConfigError, LocalBackend, TrainableModel
-from art_core.tracking import RunInfo, StepReport, TensorBoardTracker
+from art_core.tracking import RunInfo, StepReport, TensorBoardTracker, TrackingSession
 
 TRACKER_MODULES = ("wandb", "mlflow", "tensorboard", "trackio")
 
@@ -84,6 +84,9 @@ def test_report_to_off_imports_no_tracker_library_even_through_a_step(tiny_model
 @pytest.mark.parametrize(("report_to", "message"), [
     ("comet", "unknown tracker 'comet'"),
     (["tensorboard", 3], "report_to got int"),
+    (42, "report_to got int"),  # a single object that is not a tracker: not iterated
+    (TensorBoardTracker, r"got the class TensorBoardTracker, not a tracker: pass an instance, TensorBoardTracker\(...\)"),
+    ([TensorBoardTracker], "got the class TensorBoardTracker"),
     (["tensorboard", TensorBoardTracker()], "two trackers named 'tensorboard'"),
 ])
 def test_bad_report_to_is_refused_when_the_model_is_made(report_to, message):
@@ -125,6 +128,24 @@ async def test_a_failing_tracker_never_fails_a_step_and_is_warned_about_once_per
     (run,) = good.runs
     assert run.config["model"] == "mixed" and run.config["lora"]["rank"] == 8
     assert run.config["train"]["learning_rate"] == 1e-3
+
+
+def test_a_tracker_that_keeps_failing_to_start_is_tried_again_after_1_2_4_8_steps(tmp_path):
+    """A start that fails slowly (a tracking server down: MLflow's client retries for minutes) held up every step's
+    report when tried at every step; it is tried again after 1, 2, 4 ... steps."""
+    attempts: list[int] = []
+
+    class Down(Recording):
+        def start(self, run: RunInfo) -> str:
+            attempts.append(len(good.reports) + 1)  # the report being given
+            raise ConnectionError("tracking server unreachable")
+
+    good = Recording()
+    session = TrackingSession([Down("down"), good], tmp_path)
+    for step in range(1, 17):
+        session.report(step=step, metrics={"loss": 0.0}, groups=[], config={}, project="p", name="n", seconds={})
+    assert attempts == [1, 2, 4, 8, 16] and [r.step for r in good.reports] == list(range(1, 17))
+    assert session.failures == 5
 
 
 async def test_report_has_the_steps_numbers_and_its_best_and_worst_trajectories(tiny_model_dir, tmp_path):

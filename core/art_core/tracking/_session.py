@@ -70,9 +70,13 @@ def resolve_trackers(report_to: Any) -> list[Tracker]:
     """
     if report_to is None or report_to == "none":
         return []
-    items = [report_to] if isinstance(report_to, str) or isinstance(report_to, Tracker) else list(report_to)
+    single = isinstance(report_to, str | type) or not isinstance(report_to, list | tuple | set | frozenset)
+    items = [report_to] if single else list(report_to)
     trackers: list[Tracker] = []
     for item in items:
+        if isinstance(item, type):  # the class itself passes the protocol's attribute check; its methods want self
+            raise ConfigError(f"report_to got the class {item.__name__}, not a tracker: pass an instance, "
+                              f"{item.__name__}(...)")
         if isinstance(item, str):
             if item not in _BUILDERS:
                 raise ConfigError(f"report_to names an unknown tracker {item!r}: use one of "
@@ -111,6 +115,9 @@ class TrackingSession:
         """Tracker calls that raised, since the model was made."""
         self._started: list[Tracker] = []
         self._config: dict[str, Any] | None = None  # the config the trackers last got (in start or a report)
+        self._reports = 0  # reports given so far
+        self._retry: dict[int, tuple[int, int]] = {}
+        """A tracker whose start failed (by id): (the report at which to try again, the failed starts so far)."""
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="art-tracking")
 
     def submit(self, call: Callable[[], None]) -> concurrent.futures.Future[None]:
@@ -127,9 +134,10 @@ class TrackingSession:
         """Start the trackers not started yet, then give each the step's report (a blocking call: run it in a
         worker thread). Failures are counted, and warned about once for the step."""
         problems: list[str] = []
+        self._reports += 1
         try:
             for tracker in self.trackers:
-                if tracker not in self._started:
+                if tracker not in self._started and self._reports >= self._retry.get(id(tracker), (0, 0))[0]:
                     self._start(tracker, RunInfo(project=project, name=name, folder=self.folder, config=config,
                                                  run_id=self._run_ids().get(tracker.name)), problems)
             # A tracker started above got the config in start; the others get it in the report when it changed.
@@ -155,8 +163,14 @@ class TrackingSession:
 
     def _start(self, tracker: Tracker, run: RunInfo, problems: list[str]) -> None:
         run_id = self._call(tracker, "start", lambda: tracker.start(run), problems)
-        if run_id is _FAILED:  # not started: the next step tries again
+        if run_id is _FAILED:
+            # Not started: a later step tries again, after 1, 2, 4 ... 64 steps, so that a start that fails slowly (a
+            # server down: MLflow's client retries for minutes) does not hold up every step's report behind it.
+            failed = self._retry.get(id(tracker), (0, 0))[1] + 1
+            self._retry[id(tracker)] = (self._reports + min(2 ** (failed - 1), 64), failed)
+            problems[-1] += f" (tried again in {min(2 ** (failed - 1), 64)} step(s))"
             return
+        self._retry.pop(id(tracker), None)
         self._started.append(tracker)
         if run_id is not None and run_id != run.run_id:
             self._save_run_id(tracker.name, str(run_id))
