@@ -10,9 +10,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
-import os
-import sys
-import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextvars import ContextVar
 from typing import Any, Literal, cast
@@ -40,6 +37,7 @@ from agents.run_config import CallModelData, ModelInputData
 from pydantic import BaseModel
 
 from art_core import TrainableModel
+from art_core._warnings import warn_at_caller
 from art_core.errors import ConfigError
 
 from ._routing import CountingTransport, Route
@@ -209,22 +207,12 @@ def _tool_run_config(tool: Any) -> RunConfig | None:
 
 
 def _warn_own_run_config(tool: Any, agent: Agent[Any]) -> None:
-    warnings.warn(
+    warn_at_caller(UserWarning(
         f"the agent {agent.name!r} is used as a tool ({getattr(tool, 'name', '?')!r}) with a run_config of its own: the "
         "SDK runs it with that RunConfig instead of the run's, so its calls do not reach the trainable model (they go "
         "to that RunConfig's provider, by default the SDK's OpenAI client) and are not in the trajectory; when they "
         "fail, as_tool's failure handler only tells the model that the tool failed. Leave run_config out of "
-        "as_tool() to have the agent run on the run's configuration.", stacklevel=_callers_level())
-
-
-def _callers_level() -> int:
-    """``warnings.warn``'s stacklevel for the first frame outside this package (the user's call), from the caller of
-    this function's caller (Python 3.11 has no ``skip_file_prefixes``)."""
-    package = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(2), 2
-    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == package:
-        frame, level = frame.f_back, level + 1
-    return level
+        "as_tool() to have the agent run on the run's configuration."))
 
 
 def _check_agent(agent: Any) -> None:

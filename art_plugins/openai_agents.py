@@ -661,8 +661,9 @@ class StreamedRun:
                 error = TimeoutError(f"the run took longer than timeout={self._timeout} s")
             result = self.result
             final_output = result.final_output if error is None else None
+            pending = _interruptions(result)
             # cancel(): the run ended without an output (a run paused for an approval has none either)
-            cancelled = error is None and final_output is None and not _interruptions(result)
+            cancelled = error is None and final_output is None and not pending
             if error is not None or cancelled:
                 # a call the error or cancel() cut is recorded once the gateway sees the cut: wait for it
                 await self._capture.scope.settle()
@@ -671,7 +672,7 @@ class StreamedRun:
                     raise error
             trajectory = await self._capture.fetch_trajectory(
                 final_output=final_output, last_agent=result.last_agent, error=error,
-                stop_reason="cancelled" if cancelled else None, interruptions=_interruptions(result))
+                stop_reason="cancelled" if cancelled else None, interruptions=pending)
             self._trajectory = self._capture.scope.scored(await score(trajectory, self._reward))
         except BaseException as exc:
             self._failure = exc

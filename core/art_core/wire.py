@@ -44,8 +44,8 @@ from . import errors
 from .config import StepConfig, TrainConfig
 from .types import TrajectoryGroup
 
-__all__ = ["ADAPTER_STEP_HEADER", "API_PREFIX", "CALLER_HEADER", "CALLER_MAX_CHARS", "COMPLETION_TOKENS_HEADER", "PROMPT_TOKENS_HEADER",
-           "REQUEST_ID_HEADER", "ROLLOUT_ID_HEADER", "ROLLOUT_ID_PATTERN", "SEED_HEADER", "TRAIN_ID_PATTERN",
+__all__ = ["ADAPTER_STEP_HEADER", "API_PREFIX", "CALLER_HEADER", "CALLER_MAX_CHARS", "COMPLETION_TOKENS_HEADER",
+           "PROMPT_TOKENS_HEADER", "REQUEST_ID_HEADER", "ROLLOUT_ID_HEADER", "ROLLOUT_ID_PATTERN", "SEED_HEADER", "TRAIN_ID_PATTERN",
            "DeleteCheckpoints", "ErrorBody", "Registered", "RolloutStatus", "SampleRequest", "TrainRequest",
            "call_headers", "decode_caller", "encode_caller", "error_from_wire", "gateway_path", "train_id_for"]
 

@@ -35,9 +35,7 @@ the engine serves its checkpoint.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-import warnings
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -45,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from .._threads import HELPERS
+from .._warnings import warn_at_caller
 from ..errors import EngineError
 from ..types import TrajectoryGroup, trace_links, write_groups_jsonl
 from ._shared import append_history, trajectories_path
@@ -54,7 +53,7 @@ if TYPE_CHECKING:
     from ..config import SFTConfig, TrainConfig
     from ..engines.base import Engine
 
-__all__ = ["EngineHold", "Hold", "StepOutcome", "StepRunner", "StepWork", "Trained", "warn_at_caller",
+__all__ = ["EngineHold", "Hold", "StepOutcome", "StepRunner", "StepWork", "Trained",
            "warn_dropped_groups"]
 
 
@@ -345,13 +344,3 @@ def warn_dropped_groups(groups: list[TrajectoryGroup], config: TrainConfig | SFT
         f"(indices {dropped[:10]}); shape the reward so that rollouts of one task differ"))
 
 
-_LIBRARY = ("art_core", "art_plugins", "asyncio")
-
-
-def warn_at_caller(warning: Warning) -> None:
-    """``warnings.warn(warning)`` attributed to the first frame outside art_core, art_plugins and asyncio: the
-    user's line (``await model.train(...)``), not ours, so the console shows the call that caused it."""
-    frame, level = sys._getframe(1), 2
-    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _LIBRARY:
-        frame, level = frame.f_back, level + 1
-    warnings.warn(warning, stacklevel=level if frame is not None else 2)

@@ -362,8 +362,6 @@ def _nested_schema(schema: dict[str, Any], at: str) -> tuple[dict[str, Any], dic
     its other root-relative references (``"#"``, ``"#/properties/..."``) get ``at`` in front. Pydantic models,
     dataclasses and enums as tool arguments give such schemas (the Agents SDK's, LangChain's)."""
     definitions = {key: schema[key] for key in _DEFINITIONS if key in schema}
-    if not definitions and '"$ref"' not in json.dumps(schema):
-        return schema, {}
 
     def moved(node: Any) -> Any:
         if isinstance(node, list):
