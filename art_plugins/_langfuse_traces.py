@@ -52,7 +52,8 @@ class LangfuseTracing:
     Args:
         client: a ``Langfuse`` client. Default: one built from ``LANGFUSE_PUBLIC_KEY``, ``LANGFUSE_SECRET_KEY``
             and ``LANGFUSE_BASE_URL`` (and the SDK's other ``LANGFUSE_*`` variables), with a tracer provider
-            of its own so the process's global OpenTelemetry provider stays as it was.
+            of its own so the process's global OpenTelemetry provider stays as it was. ``aclose()`` shuts
+            down only a client made here; one passed in is flushed and stays the caller's to shut down.
         session_id: the Langfuse session every trace joins. Default: ``"<project>/<model name>"``, one session
             per training run.
         flush_timeout: seconds a step (or an evaluation) waits for spans and scores to leave; what is still
@@ -67,6 +68,7 @@ class LangfuseTracing:
                  print_links: bool = True) -> None:
         if flush_timeout <= 0:
             raise ConfigError(f"flush_timeout is {flush_timeout}: give a positive number of seconds")
+        owns_client = client is None
         if client is None:
             missing = [k for k in ("LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY") if not os.environ.get(k)]
             if missing:
@@ -80,6 +82,7 @@ class LangfuseTracing:
         elif not isinstance(client, Langfuse):
             raise ConfigError(f"langfuse= takes True, a langfuse.Langfuse client or a LangfuseTracing, got "
                               f"{type(client).__name__}")
+        self._owns_client = owns_client  # a caller's client is flushed at the end, never shut down
         self.client = client
         self.session_id = session_id
         self.flush_timeout = flush_timeout
@@ -238,14 +241,18 @@ class LangfuseTracing:
         return self.failures.count, self.failures.last
 
     async def aclose(self, timeout: float | None = None) -> None:
-        """Flush (bounded) and shut the client down if this object made it; remove the failure counter."""
+        """Flush (bounded), shut the client down if this object made it, and remove the failure counter.
+
+        A client passed in stays open (flushed only): the caller may still trace with it.
+        """
         if self._closed:
             return
         self._closed = True
+        end = self.client.shutdown if self._owns_client else self.client.flush
         try:
-            await bounded(self.client.shutdown, timeout or self.flush_timeout)
+            await bounded(end, timeout or self.flush_timeout)
         except Exception as exc:
-            self.failures.note(f"shutdown: {exc}")
+            self.failures.note(f"{'shutdown' if self._owns_client else 'flush'}: {exc}")
         failure_handlers.release(self.failures)
         for detach in self._detach.values():
             detach()

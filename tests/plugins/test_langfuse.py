@@ -412,6 +412,20 @@ async def test_a_failing_langfuse_never_holds_up_training(model: TrainableModel,
         bad.close()
 
 
+async def test_closing_the_tracing_leaves_a_callers_client_open(receiver: Receiver):
+    """A client the user passed in is flushed at ``aclose``, not shut down: it still exports afterwards."""
+    client = langfuse_client(receiver.url)
+    tracing = LangfuseTracing(client, flush_timeout=5.0)
+    await tracing.aclose()
+    with client.start_as_current_observation(name="after-training") as span:
+        trace_id = span.trace_id
+    client.create_score(name="after", value=1.0, trace_id=trace_id)  # scores go through the client's own threads
+    client.flush()
+    assert receiver.wait_for(lambda r: r.trace(trace_id) and "after" in r.scores_for(trace_id), timeout=60), \
+        "the user's client stopped sending scores after aclose"
+    client.shutdown()
+
+
 async def test_bad_options_are_refused_up_front(model: TrainableModel, monkeypatch: pytest.MonkeyPatch):
     from art_core.errors import ConfigError
 
