@@ -93,7 +93,7 @@ class ExampleSettings:
     """Seeds the tasks and the sampling."""
     report_to: tuple[str, ...] = ()
     """Experiment trackers for ``TrainableModel(report_to=...)``: ``wandb``, ``mlflow``, ``tensorboard``,
-    ``trackio`` (empty: none)."""
+    ``trackio``, or ``all`` alone (each one installed; empty: none)."""
     demos: int = 0
     """Demonstrations for an SFT warm start before the GRPO steps (tasks of their own seed). 0: off, RL alone."""
     sft_epochs: int = 3
@@ -146,9 +146,9 @@ def parse_settings(description: str, defaults: ExampleSettings, argv: Sequence[s
                         help="RULER judge: a litellm model string, or 'local' for the base model on this machine")
     parser.add_argument("--path", type=Path, default=defaults.path, help="output folder (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of tasks and sampling")
-    parser.add_argument("--report-to", nargs="+", choices=TRACKER_NAMES, default=list(defaults.report_to),
-                        metavar="TRACKER", help=f"send each step to these trackers ({', '.join(TRACKER_NAMES)}); "
-                        "see the README's 'Experiment tracking'")
+    parser.add_argument("--report-to", nargs="+", choices=(*TRACKER_NAMES, "all"), default=list(defaults.report_to),
+                        metavar="TRACKER", help=f"send each step to these trackers ({', '.join(TRACKER_NAMES)}, or "
+                        "'all' for each one installed); see the README's 'Experiment tracking'")
     parser.add_argument("--demos", type=int, default=defaults.demos,
                         help="SFT warm start: demonstrations from the example's teacher, trained on before the GRPO "
                         "steps (default: %(default)s, off)")

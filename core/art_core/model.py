@@ -63,7 +63,8 @@ class TrainableModel:
         lora: the adapter's shape; fixed for the model's life.
         report_to: experiment trackers that get every step's metrics, the run's config and a table of the best
             and worst trajectories: ``"wandb"``, ``"mlflow"``, ``"tensorboard"``, ``"trackio"``, tracker objects
-            (``art_core.tracking``), or a list of them. None (default): none, and no tracker library is imported.
+            (``art_core.tracking``), or a list of them; ``"all"``: each of the four whose package is installed.
+            None (default): none, and no tracker library is imported.
             A tracker that fails never fails a step. See ``art_core.tracking``.
 
     Raises:

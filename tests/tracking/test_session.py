@@ -13,7 +13,7 @@ import pytest
 from tracked_steps import train_steps
 
 from art_core import ConfigError, LocalBackend, TrainableModel
-from art_core.tracking import RunInfo, StepReport, TensorBoardTracker, TrackingSession
+from art_core.tracking import TRACKER_NAMES, RunInfo, StepReport, TensorBoardTracker, TrackingSession, resolve_trackers
 
 TRACKER_MODULES = ("wandb", "mlflow", "tensorboard", "trackio")
 
@@ -81,8 +81,19 @@ def test_report_to_off_imports_no_tracker_library_even_through_a_step(tiny_model
         "art_core.tracking._tensorboard", "art_core.tracking._trackio", "art_core.tracking._wandb"}
 
 
+def test_report_to_all_names_each_installed_tracker_and_refuses_when_none_is(monkeypatch):
+    assert [t.name for t in resolve_trackers("all")] == list(TRACKER_NAMES)  # the four are installed here
+    monkeypatch.setitem(sys.modules, "trackio", None)  # as on a machine without it: find_spec finds nothing
+    assert [t.name for t in resolve_trackers(["all"])] == ["wandb", "mlflow", "tensorboard"]  # as --report-to all
+    for name in TRACKER_NAMES:
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(ConfigError, match=r"report_to='all' found none of the tracker packages installed"):
+        TrainableModel(name="none-installed", report_to="all")
+
+
 @pytest.mark.parametrize(("report_to", "message"), [
     ("comet", "unknown tracker 'comet'"),
+    (["all", "tensorboard"], "lists 'all' beside other trackers: give 'all' alone"),
     (["tensorboard", 3], "report_to got int"),
     (42, "report_to got int"),  # a single object that is not a tracker: not iterated
     (TensorBoardTracker, r"got the class TensorBoardTracker, not a tracker: pass an instance, TensorBoardTracker\(...\)"),

@@ -67,9 +67,17 @@ def resolve_trackers(report_to: Any) -> list[Tracker]:
 
     Raises:
         ConfigError: an unknown name, something that is not a tracker, or two trackers with one name.
+
+    ``"all"`` (or ``["all"]``) names every tracker whose package is installed, as TRL's ``report_to="all"`` does.
     """
     if report_to is None or report_to == "none":
         return []
+    if report_to == "all" or (isinstance(report_to, list | tuple) and list(report_to) == ["all"]):  # as TRL's
+        report_to = [name for name in TRACKER_NAMES if importlib.util.find_spec(name) is not None]
+        if not report_to:
+            raise ConfigError("report_to='all' found none of the tracker packages installed "
+                              f"({', '.join(TRACKER_NAMES)}): pip install 'art-core[trackers]', or name the "
+                              "trackers you want")
     single = isinstance(report_to, str | type) or not isinstance(report_to, list | tuple | set | frozenset)
     items = [report_to] if single else list(report_to)
     trackers: list[Tracker] = []
@@ -78,6 +86,9 @@ def resolve_trackers(report_to: Any) -> list[Tracker]:
             raise ConfigError(f"report_to got the class {item.__name__}, not a tracker: pass an instance, "
                               f"{item.__name__}(...)")
         if isinstance(item, str):
+            if item == "all":
+                raise ConfigError("report_to lists 'all' beside other trackers: give 'all' alone (each tracker "
+                                  "installed) or name each tracker")
             if item not in _BUILDERS:
                 raise ConfigError(f"report_to names an unknown tracker {item!r}: use one of "
                                   f"{', '.join(TRACKER_NAMES)}, a list of them, or a Tracker object")
