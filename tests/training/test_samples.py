@@ -122,6 +122,13 @@ def test_a_trained_first_turn_with_nothing_before_it_says_so(tool_tokenizer):
     assert _trained_text(tool_tokenizer, sample) == ["4<|im_end|>"]
 
 
+@pytest.mark.parametrize("weight", [0.5, 2, True])
+def test_a_weight_other_than_0_or_1_is_refused_not_read_as_1(tool_tokenizer, weight):
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "weight": weight}]
+    with pytest.raises(TrajectoryError, match=rf"t-w.*assistant message 1 has weight {weight!r}: give 0"):
+        trajectory_samples(Trajectory(id="t-w", messages=messages), tool_tokenizer)
+
+
 def test_rerendering_without_a_tokenizer_says_how_to_fix():
     trajectory = Trajectory(id="t-1", messages=[{"role": "user", "content": "hi"},
                                                 {"role": "assistant", "content": "yo"}])

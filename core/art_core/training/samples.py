@@ -103,8 +103,8 @@ def trajectory_samples(trajectory: Trajectory, tokenizer: Any | None = None, *,
         One sample per merged run of calls, for each history.
 
     Raises:
-        TrajectoryError: the trajectory has no assistant turn, or a history without token ids cannot be
-            re-rendered (no tokenizer given, or the template cannot render it). The message names the
+        TrajectoryError: the trajectory has no assistant turn, an assistant message's ``weight`` is neither 0
+            nor 1, or a history without token ids cannot be re-rendered (no tokenizer given, or the template cannot render it). The message names the
             trajectory.
     """
     samples: list[Sample] = []
@@ -112,7 +112,7 @@ def trajectory_samples(trajectory: Trajectory, tokenizer: Any | None = None, *,
     for history in trajectory.histories()[:1] if last else trajectory.histories():
         if history.calls:
             samples.extend(_samples_from_calls(trajectory.id, history.calls[-1:] if last else history.calls))
-        elif turns := _trained_turns(history, last):
+        elif turns := _trained_turns(trajectory.id, history, last):
             samples.extend(_samples_by_rerendering(trajectory.id, history, tokenizer, turns))
     if not samples:
         raise TrajectoryError(
@@ -177,11 +177,19 @@ def _oldest(steps: list[int]) -> int | None:
     return min(steps) if steps else None
 
 
-def _trained_turns(history: History, last: bool) -> list[int]:
+def _trained_turns(trajectory_id: str, history: History, last: bool) -> list[int]:
     """The indices of the assistant messages to train on: all but those weighted 0 (OpenAI's fine-tuning
     ``"weight": 0``: context only), or only the last of them."""
-    turns = [k for k, m in enumerate(history.messages)
-             if m.role == "assistant" and (m.model_extra or {}).get("weight", 1) != 0]
+    turns = []
+    for k, message in enumerate(history.messages):
+        if message.role != "assistant":
+            continue
+        weight = (message.model_extra or {}).get("weight", 1)
+        if weight not in (0, 1) or isinstance(weight, bool):  # OpenAI's fine-tuning format allows 0 and 1 only
+            raise TrajectoryError(f"trajectory {trajectory_id!r}: assistant message {k} has weight {weight!r}: give 0 "
+                                  "(context, not trained) or 1 (trained), as in OpenAI's fine-tuning format")
+        if weight == 1:
+            turns.append(k)
     return turns[-1:] if last else turns
 
 
