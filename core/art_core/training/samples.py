@@ -104,8 +104,8 @@ def trajectory_samples(trajectory: Trajectory, tokenizer: Any | None = None, *,
 
     Raises:
         TrajectoryError: the trajectory has no assistant turn, an assistant message's ``weight`` is neither 0
-            nor 1, or a history without token ids cannot be re-rendered (no tokenizer given, or the template cannot render it). The message names the
-            trajectory.
+            nor 1, or a history without token ids cannot be re-rendered (no tokenizer given, or the template
+            cannot render it). The message names the trajectory.
     """
     samples: list[Sample] = []
     last = assistant_turns == "last"
