@@ -20,7 +20,7 @@ def _texts(accumulator: EventAccumulator, tag: str) -> dict[int, str]:
 
 
 async def test_steps_config_and_table_reach_tensorboard_and_a_resumed_model_continues_the_run(tiny_model_dir, tmp_path):
-    await train_twice(tmp_path, tiny_model_dir, lambda: "tensorboard")
+    await train_twice(tmp_path, tiny_model_dir, lambda: "tensorboard", resumed_learning_rate=2e-3)
 
     folder = tmp_path / "tracking" / "models" / "tracked" / "tracking"
     run_id = json.loads((folder / "runs.json").read_text())["tensorboard"]
@@ -39,8 +39,11 @@ async def test_steps_config_and_table_reach_tensorboard_and_a_resumed_model_cont
         assert sorted(_scalars(accumulator, tag)) == [1, 2, 3], tag
     # The time between steps: from a model's 2nd step on (the resumed model's first step has no "before")
     assert sorted(_scalars(accumulator, "time/rollouts")) == [2]
-    config = _texts(accumulator, "config")
-    assert list(config) == [0] and '"rank": 8' in config[0]  # written once, when the run was made
+    config = {step: json.loads(text.removeprefix("```json\n").removesuffix("\n```"))
+              for step, text in _texts(accumulator, "config").items()}
+    assert sorted(config) == [0, 3]  # when the run was made, and at the resumed model's first step
+    assert config[0]["lora"]["rank"] == 8 and config[0]["train"]["learning_rate"] == 1e-3
+    assert config[3]["train"]["learning_rate"] == 2e-3  # the setting changed across the resume
     table = _texts(accumulator, "trajectories")
     assert sorted(table) == [1, 2, 3]
     assert "| best |" in table[1] and "| worst |" in table[1] and "trace-1" in table[1]

@@ -37,13 +37,14 @@ async def train_steps(model: TrainableModel, steps: int, *, learning_rate: float
 
 
 async def train_twice(path: Path, base_model: Path, report_to: Callable[[], Any], *, name: str = "tracked",
-                      project: str = "tracking") -> TrainableModel:
-    """Two steps, finish, then a new model on the same folder resumes and trains a third. Returns the second."""
-    for steps in (2, 1):
+                      project: str = "tracking", resumed_learning_rate: float = 1e-3) -> TrainableModel:
+    """Two steps, finish, then a new model on the same folder resumes and trains a third (at
+    ``resumed_learning_rate``). Returns the second."""
+    for steps, learning_rate in ((2, 1e-3), (1, resumed_learning_rate)):
         model = TrainableModel(name=name, project=project, base_model=base_model, report_to=report_to())
         async with LocalBackend(path=path, serve=False, show_progress=False) as backend:
             await model.register(backend)
-            await train_steps(model, steps)
+            await train_steps(model, steps, learning_rate=learning_rate)
             await model.finish_tracking()
     assert model.step == 3
     return model

@@ -14,8 +14,8 @@ __all__ = ["TensorBoardTracker"]
 
 
 class TensorBoardTracker:
-    """Writes scalars per step, the config (text ``config``: at step 0, and again at a step that changed it) and
-    the trajectory table (text ``trajectories``).
+    """Writes scalars per step, the config (text ``config``: at step 0, again at a step that changed it, and at
+    a resumed run's first step) and the trajectory table (text ``trajectories``).
 
     Args:
         log_dir: the folder ``tensorboard --logdir`` is pointed at; default ``<model_dir>/tracking/tensorboard``.
@@ -26,6 +26,7 @@ class TensorBoardTracker:
     def __init__(self, *, log_dir: str | Path | None = None) -> None:
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._writer: Any = None
+        self._resumed_config: dict[str, Any] | None = None  # written at a resumed run's first step
         self.run_dir: Path | None = None
         """The run's own folder, once started (``<log_dir>/<run id>``)."""
 
@@ -39,14 +40,17 @@ class TensorBoardTracker:
         self._writer = EventFileWriter(str(self.run_dir))
         if run.run_id is None:
             self._write(0, text_pb("config", _json_block(run.config)))
+        else:  # a setting may have changed since the run was left; its first step here records the config
+            self._resumed_config = run.config
         return run_id
 
     def log_step(self, report: StepReport) -> None:
         from tensorboard.plugins.scalar.summary_v2 import scalar_pb
         from tensorboard.plugins.text.summary_v2 import text_pb
 
-        if report.config is not None:  # the text plugin shows each step's entry: the config as of that step
-            self._write(report.step, text_pb("config", _json_block(report.config)))
+        config, self._resumed_config = report.config or self._resumed_config, None
+        if config is not None:  # the text plugin shows each step's entry: the config as of that step
+            self._write(report.step, text_pb("config", _json_block(config)))
         for key, value in report.metrics.items():
             self._write(report.step, scalar_pb(key, value))
         if report.trajectories:
