@@ -172,6 +172,9 @@ class TrainableGraph:
                 or no call of it sampled a token before the run stopped (the message says why).
             Exception: whatever the graph raises, except its step limit and the timeout, which end the run
                 early and mark the trajectory ``metadata["truncated"]``.
+
+        A run that paused for a human (``interrupt()`` or a static breakpoint) is marked too:
+        ``stop_reason="interrupted"`` and ``metadata["interruptions"]``, the nodes waiting to run.
         """
         if method not in _METHODS:
             raise ConfigError(f"method {method!r} is unknown: use one of {', '.join(_METHODS)}")
@@ -198,8 +201,12 @@ class TrainableGraph:
                 if not deadline.expired():
                     raise  # the graph's own timeout (a tool's, a client's), not the rollout's limit
                 stop_reason = "timeout"
+        metadata = None
+        if stop_reason is None and (waiting := await _paused_at(self.graph, run_config, progress.state)):
+            stop_reason, metadata = "interrupted", {"interruptions": ", ".join(waiting)}
         await scope.settle()  # a call the timeout cut is recorded (tokens so far) once the gateway sees the cut
-        trajectory = await scope.fetch_trajectory(final_state=progress.state, stop_reason=stop_reason)
+        trajectory = await scope.fetch_trajectory(final_state=progress.state, stop_reason=stop_reason,
+                                                  metadata=metadata)
         return scope.scored(await score(trajectory, reward))
 
     async def group(self, input: Any, *, n: int, reward: RewardFn | None = None, config: dict[str, Any] | None = None,
@@ -239,6 +246,28 @@ class TrainableGraph:
             return await self.rollout({"messages": [("user", input)]} if isinstance(input, str) else input,
                                       reward=reward)
         return run
+
+
+async def _paused_at(graph: Any, config: dict[str, Any], state: Any) -> tuple[str, ...]:
+    """The nodes a run paused before, waiting to be resumed (an ``interrupt()`` or a static breakpoint,
+    ``interrupt_before=[...]``); empty when it ran to its end.
+
+    With a checkpointer, the thread's snapshot says (``next``: the nodes still to run). Without one, an
+    ``interrupt()`` still shows in the final state (``"__interrupt__"``: named ``"interrupt()"``, its node
+    unknown); a static breakpoint leaves no trace.
+    """
+    from langgraph.checkpoint.base import BaseCheckpointSaver
+
+    if isinstance(getattr(graph, "checkpointer", None), BaseCheckpointSaver) and \
+            (config.get("configurable") or {}).get("thread_id") is not None:
+        try:
+            snapshot = await graph.aget_state(config)
+        except NotImplementedError:  # a checkpointer with no async methods (SqliteSaver)
+            snapshot = await asyncio.to_thread(graph.get_state, config)
+        return tuple(str(node) for node in snapshot.next)
+    if isinstance(state, dict) and state.get("__interrupt__"):
+        return ("interrupt()",)  # which node called it, only a checkpointer's snapshot tells
+    return ()
 
 
 class _Progress:

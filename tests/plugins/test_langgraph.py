@@ -324,7 +324,7 @@ async def test_every_run_method_is_captured(model, method):
 
 
 @pytest.mark.parametrize("method", ["invoke", "ainvoke", "astream", "astream_events"])
-async def test_an_interrupted_run_says_so_in_its_final_state_whatever_the_method(model, method):
+async def test_an_interrupted_run_says_so_in_its_final_state_and_metadata_whatever_the_method(model, method):
     """A human-in-the-loop graph (``interrupt()`` after the agent): a reward reads ``__interrupt__`` from the final
     state, which ``astream_events``'s root end event leaves out (LangGraph sends it only as a stream chunk)."""
     agent_graph = react_graph()
@@ -342,12 +342,19 @@ async def test_an_interrupted_run_says_so_in_its_final_state_whatever_the_method
     assert len(trajectory.calls) == 3 and trajectory.messages[-1].text() == "The answer is 14."
     assert [i.value for i in trajectory.final_state["__interrupt__"]] == ["Send this answer?"]
     assert trajectory.final_state["messages"][-1].content == "The answer is 14."
+    # paused, not finished: marked as the Agents SDK adapter marks a run waiting for approval
+    assert trajectory.metadata["stop_reason"] == "interrupted" and trajectory.metadata["truncated"] is True
+    assert trajectory.metadata["interruptions"] == "confirm"
+    if method == "ainvoke":  # without a checkpointer only the final state tells, not which node
+        unsaved = await trainable(builder.compile(), model).rollout(REACT_INPUT, method=method)
+        assert unsaved.metadata["stop_reason"] == "interrupted" and unsaved.metadata["interruptions"] == "interrupt()"
 
 
 @pytest.mark.parametrize("method", ["invoke", "ainvoke", "astream", "astream_events"])
 async def test_a_static_breakpoint_leaves_the_same_final_state_whatever_the_method(model, method):
     """``interrupt_before=[...]`` stops before a node without an ``interrupt()``: LangGraph's own final state has no
-    ``__interrupt__`` then, and ``astream_events`` (which streams an empty tuple for it) must not add one."""
+    ``__interrupt__`` then, and ``astream_events`` (which streams an empty tuple for it) must not add one; the
+    checkpointer's snapshot says the run paused, and the trajectory is marked so."""
     agent_graph = react_graph()
 
     def solve(state: State) -> dict[str, Any]:
@@ -362,6 +369,13 @@ async def test_a_static_breakpoint_leaves_the_same_final_state_whatever_the_meth
         REACT_INPUT, method=method, config={"configurable": {"thread_id": uuid.uuid4().hex}})
     assert "__interrupt__" not in trajectory.final_state
     assert trajectory.final_state["messages"][-1].content == "The answer is 14."
+    assert trajectory.metadata["stop_reason"] == "interrupted" and trajectory.metadata["interruptions"] == "send"
+    # the same graph without the breakpoint runs to its end, and is not marked
+    whole = (StateGraph(State).add_sequence([solve, send]).add_edge(START, "solve")
+             .compile(checkpointer=MemorySaver()))
+    finished = await trainable(whole, model).rollout(
+        REACT_INPUT, method=method, config={"configurable": {"thread_id": uuid.uuid4().hex}})
+    assert "stop_reason" not in finished.metadata and finished.metadata["truncated"] is False
 
 
 async def test_a_scope_around_the_users_own_stream(model):
