@@ -20,6 +20,9 @@ from art_core.types import Message, Trajectory, TrajectoryGroup
 Reply = str | Callable[[dict[str, Any]], str]
 """A scripted judge answer: the content text, or a function of the request body that returns it."""
 
+NO_CHOICES = "<no choices>"
+"""A reply that answers with an empty ``choices`` list (a server that is not quite OpenAI's)."""
+
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a city up.", "parameters": CITY}}]
 
@@ -70,8 +73,8 @@ class FakeJudge:
                 payload = json.dumps({
                     "id": f"chatcmpl-fake-{len(judge.requests)}", "object": "chat.completion", "created": 0,
                     "model": body.get("model", "judge"),
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                                 "finish_reason": "stop"}],
+                    "choices": [] if content == NO_CHOICES else [
+                        {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
                     "usage": {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120},
                 }).encode()
                 self.send_response(200)

@@ -76,6 +76,39 @@ async def test_a_failing_function_names_itself_and_changes_nothing(group):
     assert group.rewards == ORIGINAL and not any(t.metrics for t in group)
 
 
+async def test_the_first_failure_cancels_the_other_components_calls(group):
+    """A grader still waiting (an LLM call, say) is cancelled when another component fails, not left running."""
+    started, cancelled = asyncio.Event(), []
+
+    async def slow_grader(trajectory, state):
+        started.set()
+        try:
+            await asyncio.Event().wait()  # answers only when cancelled
+        except asyncio.CancelledError:
+            cancelled.append(trajectory.id)
+            raise
+        return 1.0
+
+    async def broken(trajectory, state):
+        await started.wait()  # the graders are waiting by then
+        raise KeyError("expected")
+
+    with pytest.raises(RewardError, match="reward 'broken' failed"):
+        await score_group(group, {"grader": slow_grader, "broken": broken})
+    assert sorted(cancelled) == sorted(t.id for t in group)  # all three stopped before score_group raised
+
+
+async def test_numpy_and_torch_scalars_are_numbers(group):
+    import numpy as np
+    import torch
+
+    scored = await score_group(group, {"f32": lambda t, s: np.float32(0.5), "i64": lambda t, s: np.int64(1),
+                                       "flag": lambda t, s: np.bool_(True), "tensor": lambda t, s: torch.tensor(0.25)})
+    assert scored.rewards == [2.75, 2.75, 2.75]
+    with pytest.raises(RewardError, match=r"returned array\(\[0.5, 0.5\]"):
+        await score_group(group, {"vector": lambda t, s: np.array([0.5, 0.5])})
+
+
 async def test_misuse_is_refused(group):
     with pytest.raises(ConfigError, match=r"weights name 'corect', which is no component"):
         await score_group(group, {"correct": says_paris}, weights={"corect": 1.0})

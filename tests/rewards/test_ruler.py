@@ -10,7 +10,7 @@ import socket
 import sys
 
 import pytest
-from fake_judges import capital_group, score_by_content, trajectory_blocks
+from fake_judges import NO_CHOICES, capital_group, score_by_content, trajectory_blocks
 
 from art_core import JudgeError, JudgeUsage, RewardError, ruler_score_group
 from art_core.errors import ConfigError
@@ -126,6 +126,26 @@ async def test_swallowed_failures_return_none_and_are_counted(fake_judge, group,
     assert result is None
     assert (usage.failures, usage.calls) == (1, 1)
     assert group.rewards == ORIGINAL
+
+
+async def test_an_answer_without_choices_is_a_judge_error_swallowed_like_the_others(fake_judge, group, tmp_path):
+    fake_judge.default = NO_CHOICES
+    with pytest.raises(JudgeError, match="answered with no choices"):
+        await ruler_score_group(group, **judge_kwargs(fake_judge, tmp_path))
+    usage = JudgeUsage()
+    assert await ruler_score_group(group, **judge_kwargs(fake_judge, tmp_path), swallow_exceptions=True,
+                                   usage=usage) is None
+    assert usage.failures == 1 and group.rewards == ORIGINAL
+
+
+async def test_a_cache_that_cannot_be_written_keeps_the_answer(fake_judge, group, tmp_path, caplog):
+    blocked = tmp_path / "cache"
+    blocked.write_text("a file where the cache folder should be")  # as a read-only or full disk would refuse it
+    usage = JudgeUsage()
+    with caplog.at_level("WARNING"):
+        scored = await ruler_score_group(group, **judge_kwargs(fake_judge, tmp_path), usage=usage)
+    assert by_city(scored) == {"Paris": 1.0, "Lyon": 0.3, "none": 0.0} and usage.calls == 1
+    assert any("could not write the RULER cache entry" in r.getMessage() for r in caplog.records)
 
 
 async def test_an_unreachable_judge_is_a_clear_error(group, tmp_path):

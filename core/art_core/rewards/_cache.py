@@ -65,7 +65,15 @@ class JudgeCache:
             return None
 
     def put(self, key: str, judgements: dict[str, Judgement], usage: dict[str, Any]) -> None:
-        """Store ``judgements`` under ``key`` (atomically: temporary file, then rename)."""
+        """Store ``judgements`` under ``key`` (atomically: temporary file, then rename). A cache that cannot be
+        written (a read-only or full disk) is warned about, never raised: the answer in hand is kept."""
+        try:
+            self._write(key, judgements, usage)
+        except OSError as exc:
+            logger.warning("could not write the RULER cache entry under %s (%s): the answer is used but not "
+                           "cached; pass cache_dir= a writable folder, or cache_dir=None", self.folder, exc)
+
+    def _write(self, key: str, judgements: dict[str, Judgement], usage: dict[str, Any]) -> None:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         entry = {

@@ -77,7 +77,8 @@ async def call_judge(
     or numeric bounds still accept it. The answer is checked by the caller either way.
 
     Raises:
-        JudgeError: litellm failed (unreachable, timeout, refused, authentication...); the cause is kept.
+        JudgeError: litellm failed (unreachable, timeout, refused, authentication...; the cause is kept), or the
+            answer has no choices.
     """
     try:
         import litellm
@@ -92,6 +93,10 @@ async def call_judge(
         where = f" at {api_base}" if api_base else ""
         raise JudgeError(f"the judge {judge!r}{where} failed: {type(exc).__name__}: {_first_line(exc)}; "
                          "check the model name, api_base and api_key, and that the server is up") from exc
+    if not getattr(response, "choices", None):
+        where = f" at {api_base}" if api_base else ""
+        raise JudgeError(f"the judge {judge!r}{where} answered with no choices: check that the server speaks "
+                         "OpenAI's chat completions API")
     choice = response.choices[0]
     usage = JudgeUsage(calls=1)
     if getattr(response, "usage", None) is not None:

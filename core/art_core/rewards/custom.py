@@ -121,6 +121,8 @@ async def reward_value(fn: RewardFn, trajectory: Trajectory, state: Any) -> floa
     value = fn(trajectory, state)
     if inspect.isawaitable(value):
         value = await value
+    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        value = value.item()  # a NumPy scalar (np.float32, np.int64, np.bool_) or a 0-d array or tensor
     if isinstance(value, bool):
         value = float(value)
     if not isinstance(value, int | float) or not math.isfinite(value):
@@ -144,10 +146,17 @@ async def _component_values(group: TrajectoryGroup, rewards: Mapping[str, Reward
                               f"{type(exc).__name__}: {exc}") from exc
 
     names = list(rewards)
-    results = await asyncio.gather(*(
-        asyncio.gather(*(one(name, rewards[name], t, s) for t, s in zip(group.trajectories, states, strict=True)))
-        for name in names))
-    return {name: list(values) for name, values in zip(names, results, strict=True)}
+    pairs = list(zip(group.trajectories, states, strict=True))
+    # One flat set of tasks, so that the first error cancels every other call (a nested gather would not).
+    tasks = [asyncio.ensure_future(one(name, rewards[name], t, s)) for name in names for t, s in pairs]
+    try:
+        flat = await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # they have stopped when score_group raises
+        raise
+    return {name: flat[k * len(pairs):(k + 1) * len(pairs)] for k, name in enumerate(names)}
 
 
 def _check_arguments(group: TrajectoryGroup, rewards: Mapping[str, RewardFn], weights: Mapping[str, float] | None,
