@@ -6,7 +6,8 @@ loudly, naming the part, when one moves. When the SDK gains a public way, use it
 
 - The client's public key and tracer provider (``Langfuse._resources``): the LangChain handler finds its client
   by public key, and OpenInference (the Agents SDK's instrumentation) needs the provider to export through.
-- Whether the client masks data (``Langfuse._mask``): a masking function expects the data, not JSON text.
+- Whether the client masks data, and its mask (``Langfuse._mask``): a masking function expects the data, not
+  JSON text; trace-level labels (the task text) bypass the SDK's masking, so they go through it here.
 - Inside Langfuse's LangChain ``CallbackHandler``, which ``_langfuse_langchain.LightStateHandler`` subclasses:
   its client (``_langfuse_client``), its open observations by run id (``_runs``), its run bookkeeping
   (``_track_run``), its message conversion (``_convert_message_to_dict``) and the shared body of
@@ -30,8 +31,8 @@ if TYPE_CHECKING:  # imported by the caller: the client's parts need no LangChai
     from langfuse.langchain import CallbackHandler
 
 __all__ = ["CHECKED_VERSION", "client_masks", "client_public_key", "client_tracer_provider", "convert_message",
-           "handler_client", "is_plain", "llm_action", "metadata_json", "observation_span", "open_observation",
-           "plain_json", "track_run"]
+           "handler_client", "is_plain", "llm_action", "masked", "metadata_json", "observation_span",
+           "open_observation", "plain_json", "track_run"]
 
 CHECKED_VERSION = "5.0.4"
 """The langfuse release these were read from."""
@@ -51,6 +52,18 @@ def client_tracer_provider(client: Any) -> Any:
 def client_masks(client: Any) -> bool:
     """Whether the client has a ``mask`` function; a client where this cannot be read counts as masking."""
     return getattr(client, "_mask", "unknown") is not None
+
+
+def masked(client: Any, value: Any) -> Any:
+    """``value`` through the client's ``mask`` (``Langfuse._mask(data=...)``), as the SDK masks an observation's
+    input; unchanged without a mask, and the SDK's fallback text when the mask raises or cannot be read."""
+    mask = getattr(client, "_mask", "unknown")
+    if mask is None:
+        return value
+    try:
+        return mask(data=value)
+    except Exception:  # the SDK logs and sends its fallback text; here nothing is logged twice
+        return "<fully masked due to failed mask function>"
 
 
 def llm_action(handler_type: type[CallbackHandler]) -> Callable[..., None] | None:

@@ -52,8 +52,8 @@ class LangfuseTracing:
     Args:
         client: a ``Langfuse`` client. Default: one built from ``LANGFUSE_PUBLIC_KEY``, ``LANGFUSE_SECRET_KEY``
             and ``LANGFUSE_BASE_URL`` (and the SDK's other ``LANGFUSE_*`` variables), with a tracer provider
-            of its own so the process's global OpenTelemetry provider stays as it was. ``aclose()`` shuts
-            down only a client made here; one passed in is flushed and stays the caller's to shut down.
+            of its own so the process's global OpenTelemetry provider stays as it was (sampled at
+            ``LANGFUSE_SAMPLE_RATE``, as the SDK's own would be). ``aclose()`` flushes it, never shuts it down.
         session_id: the Langfuse session every trace joins. Default: ``"<project>/<model name>"``, one session
             per training run.
         flush_timeout: seconds a step (or an evaluation) waits for spans and scores to leave; what is still
@@ -68,7 +68,6 @@ class LangfuseTracing:
                  print_links: bool = True) -> None:
         if flush_timeout <= 0:
             raise ConfigError(f"flush_timeout is {flush_timeout}: give a positive number of seconds")
-        owns_client = client is None
         if client is None:
             missing = [k for k in ("LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY") if not os.environ.get(k)]
             if missing:
@@ -78,11 +77,10 @@ class LangfuseTracing:
                                   "LANGFUSE_SECRET_KEY (and LANGFUSE_BASE_URL for a server other than Langfuse "
                                   "Cloud), or pass langfuse=Langfuse(...)")
             # Our own provider: Langfuse would otherwise install its provider as the process's global one.
-            client = Langfuse(tracer_provider=TracerProvider(shutdown_on_exit=False))
+            client = Langfuse(tracer_provider=TracerProvider(shutdown_on_exit=False, sampler=_env_sampler()))
         elif not isinstance(client, Langfuse):
             raise ConfigError(f"langfuse= takes True, a langfuse.Langfuse client or a LangfuseTracing, got "
                               f"{type(client).__name__}")
-        self._owns_client = owns_client  # a caller's client is flushed at the end, never shut down
         self.client = client
         self.session_id = session_id
         self.flush_timeout = flush_timeout
@@ -241,18 +239,19 @@ class LangfuseTracing:
         return self.failures.count, self.failures.last
 
     async def aclose(self, timeout: float | None = None) -> None:
-        """Flush (bounded), shut the client down if this object made it, and remove the failure counter.
+        """Flush (bounded), detach from the models and remove the failure counter.
 
-        A client passed in stays open (flushed only): the caller may still trace with it.
+        The client is never shut down, even one made here: the SDK shares one set of exporters among all the
+        process's clients with the same public key, so shutting it would silence the caller's own client and
+        every later ``LangfuseTracing`` (their scores dropped). The SDK's exit handler flushes at exit.
         """
         if self._closed:
             return
         self._closed = True
-        end = self.client.shutdown if self._owns_client else self.client.flush
         try:
-            await bounded(end, timeout or self.flush_timeout)
+            await bounded(self.client.flush, timeout or self.flush_timeout)
         except Exception as exc:
-            self.failures.note(f"{'shutdown' if self._owns_client else 'flush'}: {exc}")
+            self.failures.note(f"flush: {exc}")
         failure_handlers.release(self.failures)
         for detach in self._detach.values():
             detach()
@@ -282,8 +281,12 @@ class RolloutTrace:
 
     def enter(self) -> None:
         info, client = self.info, self.tracing.client
+        # Trace attributes are not masked by the SDK (only observations' input, output and metadata are):
+        # the task text, the user's words, goes through the client's mask here.
+        task = sdk.masked(client, _task_text(info.input))
         labels = {"model": info.model.name, "step": str(info.model.step), "group": info.group_id or "",
-                  "task": _task_text(info.input), "framework": info.framework, "rollout_id": info.rollout_id,
+                  "task": task if isinstance(task, str) else json.dumps(task, default=str)[:200],
+                  "framework": info.framework, "rollout_id": info.rollout_id,
                   "trajectory_id": info.trajectory_id}
         try:
             self._stack.enter_context(propagate_attributes(
@@ -389,9 +392,24 @@ class RolloutTrace:
         return trajectory
 
 
+def _env_sampler() -> Any:
+    """The sampler the SDK gives its own provider: ``LANGFUSE_SAMPLE_RATE`` below 1 samples that share of traces
+    by trace id (the SDK drops the scores of the traces left out alike). None: every trace. A value the SDK
+    refuses is left for its own error."""
+    from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
+
+    try:
+        rate = float(os.environ.get("LANGFUSE_SAMPLE_RATE", "1"))
+    except ValueError:
+        return None
+    return TraceIdRatioBased(rate) if 0 <= rate < 1 else None
+
+
 def reward_scores(trajectory: Trajectory) -> list[tuple[str, float, str | None]]:
     """``(name, value, comment)`` for the reward and each component a trajectory's scorers left behind."""
     error = trajectory.metadata.get("reward_error")
+    if "reward_components" in trajectory.metadata:  # scored again since (score_group, RULER): not that reward
+        error = None
     scores: list[tuple[str, float, str | None]] = [
         ("reward", float(trajectory.reward), f"reward function raised {error}" if error else None)]
     components = str(trajectory.metadata.get("reward_components") or "").split(",")

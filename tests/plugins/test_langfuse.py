@@ -412,17 +412,81 @@ async def test_a_failing_langfuse_never_holds_up_training(model: TrainableModel,
         bad.close()
 
 
-async def test_closing_the_tracing_leaves_a_callers_client_open(receiver: Receiver):
-    """A client the user passed in is flushed at ``aclose``, not shut down: it still exports afterwards."""
-    client = langfuse_client(receiver.url)
-    tracing = LangfuseTracing(client, flush_timeout=5.0)
-    await tracing.aclose()
-    with client.start_as_current_observation(name="after-training") as span:
+def _scored_trace(client: Langfuse, name: str) -> str:
+    with client.start_as_current_observation(name=name) as span:
         trace_id = span.trace_id
-    client.create_score(name="after", value=1.0, trace_id=trace_id)  # scores go through the client's own threads
+    client.create_score(name=name, value=1.0, trace_id=trace_id)  # scores go through the client's own threads
     client.flush()
-    assert receiver.wait_for(lambda r: r.trace(trace_id) and "after" in r.scores_for(trace_id), timeout=60), \
+    return str(trace_id)
+
+
+async def test_closing_a_tracing_silences_no_client(receiver: Receiver, monkeypatch: pytest.MonkeyPatch):
+    """``aclose`` flushes and never shuts a client down: the SDK shares one set of exporters per public key, so
+    the caller's own client, and a second run's tracing made from the same environment, keep sending scores."""
+    client = langfuse_client(receiver.url)
+    await LangfuseTracing(client, flush_timeout=5.0).aclose()
+    trace_id = _scored_trace(client, "after-training")
+    assert receiver.wait_for(lambda r: "after-training" in r.scores_for(trace_id), timeout=60), \
         "the user's client stopped sending scores after aclose"
+    client.shutdown()
+
+    monkeypatch.setenv("LANGFUSE_PUBLIC_KEY", f"pk-lf-{uuid.uuid4().hex[:8]}")  # what langfuse=True reads
+    monkeypatch.setenv("LANGFUSE_SECRET_KEY", "sk-lf-test")
+    monkeypatch.setenv("LANGFUSE_BASE_URL", receiver.url)
+    await LangfuseTracing(flush_timeout=5.0).aclose()  # a first run in this process (a notebook, a sweep)
+    second = LangfuseTracing(flush_timeout=5.0)
+    trace_id = _scored_trace(second.client, "second-run")
+    assert receiver.wait_for(lambda r: "second-run" in r.scores_for(trace_id), timeout=60), \
+        "a second run's tracing sent no scores after the first one closed"
+    await second.aclose()
+
+
+def test_langfuse_true_samples_at_langfuse_sample_rate(monkeypatch: pytest.MonkeyPatch):
+    from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
+
+    monkeypatch.setenv("LANGFUSE_PUBLIC_KEY", f"pk-lf-{uuid.uuid4().hex[:8]}")
+    monkeypatch.setenv("LANGFUSE_SECRET_KEY", "sk-lf-test")
+    monkeypatch.setenv("LANGFUSE_BASE_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("LANGFUSE_SAMPLE_RATE", "0.25")
+    sampler = LangfuseTracing().tracer_provider.sampler  # the provider made for langfuse=True, as the SDK's would be
+    assert isinstance(sampler, TraceIdRatioBased) and sampler.rate == 0.25
+
+
+async def test_a_rescored_reward_does_not_carry_the_rollout_reward_functions_error():
+    from art_core import Trajectory, TrajectoryGroup
+    from art_plugins._langfuse_traces import reward_scores
+
+    trajectory = Trajectory(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "7"}],
+                            metadata={"reward_error": "ValueError: blew up"})
+    assert reward_scores(trajectory)[0] == ("reward", 0.0, "reward function raised ValueError: blew up")
+    rescored = await score_group(TrajectoryGroup([trajectory]), {"says_seven": lambda t, s: 1.0})
+    assert reward_scores(rescored.trajectories[0])[0] == ("reward", 1.0, None)
+
+
+async def test_a_masking_client_masks_the_task_text_on_the_trace_too(receiver: Receiver):
+    """The rollout's task (the user's words) is a trace attribute, which the SDK does not mask: it is masked here."""
+    from art_plugins._tracing import RolloutInfo
+
+    def mask(*, data: Any, **_: Any) -> Any:  # every string, however deep
+        if isinstance(data, dict):
+            return {key: mask(data=value) for key, value in data.items()}
+        if isinstance(data, list | tuple):
+            return [mask(data=value) for value in data]
+        return "MASKED" if isinstance(data, str) else data
+
+    client = langfuse_client(receiver.url, mask=mask)
+    tracing = LangfuseTracing(client)
+    info = RolloutInfo(model=TrainableModel(name="masked"), framework="langgraph", rollout_id="langgraph-1",
+                       trajectory_id=uuid.uuid4().hex[:12], input={"messages": [("user", "my card is 4111")]},
+                       group_id=None)
+    trace = tracing.start_rollout(info)
+    trace.enter()
+    trace.exit(None)
+    trace.end()
+    await tracing.aclose()
+    assert receiver.wait_for(lambda r: r.trace(trace.trace_id), timeout=60)
+    texts = [str(v) for span in receiver.trace(trace.trace_id) for v in span.attributes.values()]
+    assert not any("4111" in text for text in texts), [t for t in texts if "4111" in t]
     client.shutdown()
 
 

@@ -59,11 +59,17 @@ def test_client_mask(client: Langfuse):
     assert sdk.client_masks(client) is False
     masked = Langfuse(public_key=f"pk-lf-{uuid.uuid4().hex[:8]}", secret_key="sk-lf-test",
                       base_url="http://127.0.0.1:9", tracer_provider=TracerProvider(shutdown_on_exit=False),
-                      mask=lambda *, data, **_: data)
+                      mask=lambda *, data, **_: "MASKED" if isinstance(data, str) else data)
+    failing = Langfuse(public_key=f"pk-lf-{uuid.uuid4().hex[:8]}", secret_key="sk-lf-test",
+                       base_url="http://127.0.0.1:9", tracer_provider=TracerProvider(shutdown_on_exit=False),
+                       mask=lambda *, data, **_: 1 / 0)
     try:
         assert sdk.client_masks(masked) is True
+        assert sdk.masked(masked, "my card 4111") == "MASKED" and sdk.masked(client, "my card 4111") == "my card 4111"
+        assert sdk.masked(failing, "my card 4111") == "<fully masked due to failed mask function>"
     finally:
         masked.shutdown()
+        failing.shutdown()
     assert sdk.client_masks(object()) is True  # unreadable counts as masking: the SDK's own path is taken
 
 
