@@ -286,3 +286,16 @@ async def test_completion_json_is_the_chat_completion_model(gateway: Gateway, en
     assert list(got["choices"][0]["message"]) == ["role", "content", "tool_calls", "refusal"]
     assert (got["choices"][0]["logprobs"] is None) == (case != "logprobs")
     assert (got["choices"][0]["message"]["tool_calls"] is None) == (case != "tool_call")
+
+
+async def test_a_json_answer_beside_tools_streams_live(gateway: Gateway, engine: FakeEngine):
+    """With tools and a response_format the grammar allows Hermes calls or the JSON answer only, so a reply
+    opening with "{" is the answer and streams token by token (held whole, it could be a bare llama3 call)."""
+    engine.reply = '{"answer": "Paris is the capital of France"}'
+    async with async_client(gateway) as client:
+        stream = await client.chat.completions.create(model="agent", messages=USER, tools=[WEATHER_TOOL], stream=True,
+                                                      response_format={"type": "json_object"})
+        chunks = [chunk async for chunk in stream]
+    content = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(content) == engine.reply and len(content) > 5
+    assert engine.calls[0][1].grammar is not None

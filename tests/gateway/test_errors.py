@@ -173,3 +173,58 @@ async def test_client_dropping_a_stream(gateway: Gateway, engine: FakeEngine):
         ok = await http.post("/v1/chat/completions", json={"model": "agent", "messages": USER})
     assert ok.status_code == 200
     assert len(gateway.records.for_rollout(None)) == 2  # the dropped stream was recorded: generation had finished
+
+
+async def test_a_lone_surrogate_is_a_400_naming_where_it_is(gateway: Gateway, engine: FakeEngine):
+    """Valid JSON can carry half of an escaped character pair (text cut in the middle of an emoji): no tokenizer,
+    record or response can encode it, so it is refused up front, streamed or not."""
+    cut = '{"model": "agent", "messages": [{"role": "user", "content": "Hi \\ud83d"}]}'
+    assert_openai_error(await post(gateway, cut), 400, param="messages[0].content", says="lone UTF-16 surrogate")
+    in_stop = '{"model": "agent", "messages": [{"role": "user", "content": "Hi"}], "stop": ["\\udc80"], "stream": true}'
+    assert_openai_error(await post(gateway, in_stop), 400, param="stop[0]", says="lone UTF-16 surrogate")
+    assert engine.calls == []
+    whole = '{"model": "agent", "messages": [{"role": "user", "content": "Hi \\ud83d\\ude00"}], "max_tokens": 4}'
+    response = await post(gateway, whole)  # a pair, escaped as json.dumps writes it, is one character
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(("field", "value"), [("presence_penalty", 0.5), ("frequency_penalty", -1.0),
+                                              ("logit_bias", {"504": -100}), ("functions", [{"name": "f"}]),
+                                              ("function_call", "auto")])
+async def test_options_that_would_sample_another_distribution_are_refused(gateway: Gateway, engine: FakeEngine,
+                                                                          field: str, value: object):
+    """The trainer weighs tokens by the sampler's log-probs: a penalised or biased sampler is another policy."""
+    assert_openai_error(await post(gateway, {"model": "agent", "messages": USER, field: value}), 400, param=field)
+    assert engine.calls == []
+
+
+async def test_neutral_values_of_those_options_are_accepted(gateway: Gateway):
+    body = {"model": "agent", "messages": USER, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+            "max_tokens": 4}
+    assert (await post(gateway, body)).status_code == 200
+
+
+async def test_a_completion_that_would_run_past_the_context(gateway: Gateway, engine: FakeEngine,
+                                                            monkeypatch: pytest.MonkeyPatch):
+    """A length the request set that does not fit is refused (as OpenAI and vLLM do); the default is shortened."""
+    monkeypatch.setattr(engine.tokenizer, "model_max_length", 200)
+    for field in ("max_tokens", "max_completion_tokens"):
+        error = assert_openai_error(await post(gateway, {"model": "agent", "messages": USER, field: 190}), 400,
+                                    param=field, says="but the model's context is 200")
+        assert error["code"] == "context_length_exceeded" and f"set {field} to at most" in error["message"]
+    assert engine.calls == []
+    assert (await post(gateway, {"model": "agent", "messages": USER})).status_code == 200
+    ((prompt, params),) = engine.calls
+    assert params.max_tokens == 200 - len(prompt)  # the default (1024) cut to what is left of the context
+    responses = await post(gateway, {"model": "agent", "input": "Hi!", "max_output_tokens": 190}, path="/v1/responses")
+    assert_openai_error(responses, 400, param="max_output_tokens", says="set max_output_tokens to at most")
+
+
+async def test_a_stream_with_usage_has_a_null_usage_on_every_other_chunk(gateway: Gateway):
+    body = {"model": "agent", "messages": USER, "stream": True, "stream_options": {"include_usage": True}}
+    async with httpx.AsyncClient(base_url=gateway.url) as http:
+        response = await http.post("/v1/chat/completions", json=body)
+    chunks = [json.loads(line.removeprefix("data: ")) for line in response.text.splitlines()
+              if line.startswith("data: {")]
+    assert all("usage" in c for c in chunks)  # OpenAI: the key is there, null, until the last chunk
+    assert [c["usage"] is None for c in chunks] == [True] * (len(chunks) - 1) + [False]

@@ -152,6 +152,13 @@ def test_unclosed_block_at_the_end_is_parsed() -> None:
     assert out == ParsedCompletion("Sure.", [call("f", '{"a": 1}')], 0)
 
 
+@pytest.mark.parametrize("cut", ["<", "</", "</tool_", "</tool_call"])
+def test_a_block_cut_inside_its_closing_tag_is_still_a_call(cut: str) -> None:
+    # The length limit fell inside "</tool_call>": a few tokens fewer gave a call, so these must too.
+    out = parse_tool_calls('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n' + cut)
+    assert out == ParsedCompletion(None, [call("f", '{"a": 1}')], 0)
+
+
 def test_unclosed_truncated_block_is_content_and_counted() -> None:
     text = 'Sure.\n<tool_call>\n{"name": "f", "argum'
     assert parse_tool_calls(text) == ParsedCompletion(text, [], 1)
@@ -260,6 +267,7 @@ STREAM_CASES: list[tuple[str, ToolCallStyle]] = [
     ("Let me look.\n" + WEATHER + "\n" + TIME, "hermes"),
     ("Trying.\n" + BROKEN + "\n" + TIME, "auto"),
     ('Sure.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n', "auto"),
+    ('Sure.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_', "auto"),
     ('Sure.\n<tool_call>\n{"name": "f", "argum', "auto"),
     ("a <tool_cal b <tool_call c </tool_call> d <|python_tag|>", "auto"),
     ("x <tool_call> y <tool_call>" + WEATHER[len("<tool_call>") :], "auto"),

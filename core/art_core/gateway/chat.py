@@ -78,6 +78,8 @@ async def _chunks(completion: Completion, events: AsyncIterator[TextDelta | Tool
     choice, the usage chunk (when asked for), then ``[DONE]``."""
     header = {"id": completion.input.request_id, "object": "chat.completion.chunk", "created": int(completion.created),
               "model": completion.input.model, "system_fingerprint": f"adapter-{completion.state.engine.adapter_step}"}
+    if include_usage:  # OpenAI: "All other chunks will also include a usage field, but with a null value."
+        header["usage"] = None
 
     def chunk(index: int, delta: dict[str, Any], logprobs: list[TokenLogprob] | None,
               finish: str | None = None) -> bytes:

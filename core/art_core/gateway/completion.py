@@ -18,6 +18,7 @@ went away, the task was cancelled) is recorded with the tokens sampled so far an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -31,8 +32,8 @@ from .errors import APIError
 from .records import ExchangeRecord
 from .schemas import FunctionCallOut, TokenLogprob, ToolCallOut, TopLogprob
 from .state import GatewayState
-from .tokens import Detokenizer, TextStream, render_prompt
-from .tool_calls import ContentDelta, ToolCallStream, format_tool_call_id, parse_tool_calls
+from .tokens import Detokenizer, TextStream, completion_room, render_prompt
+from .tool_calls import ContentDelta, ToolCallStream, ToolCallStyle, format_tool_call_id, parse_tool_calls
 
 __all__ = ["Answer", "Completion", "CompletionInput", "Done", "Endpoint", "Event", "TextDelta", "ToolCallDelta",
            "logprob_entries"]
@@ -40,6 +41,13 @@ __all__ = ["Answer", "Completion", "CompletionInput", "Done", "Endpoint", "Event
 logger = logging.getLogger(__name__)
 
 Endpoint = Literal["chat.completions", "responses"]
+
+
+def _tool_call_style(call: CompletionInput) -> ToolCallStyle:
+    """``"hermes"`` when a grammar holds the reply to Hermes blocks (or the JSON answer of a ``response_format``):
+    a reply opening with ``{`` is then that answer and streams live. Else ``"auto"``: such a reply may be a
+    llama3 call, known only at its end."""
+    return "hermes" if call.params.grammar is not None else "auto"
 
 
 # --- what the pipeline takes --------------------------------------------------------------------------
@@ -75,6 +83,9 @@ class CompletionInput:
     """The rollout the call belongs to, if any."""
     caller: str | None
     """The ``X-Art-Caller`` label, if any."""
+    max_tokens_param: str | None = None
+    """The request field that set ``params.max_tokens``; None: the gateway's default (shortened to what is left
+    of the context when the prompt is long, where a length the request set is refused)."""
 
 
 # --- what a route gets --------------------------------------------------------------------------------
@@ -179,6 +190,10 @@ class Completion:
         self.state, self.input = state, call
         self.prompt_ids = render_prompt(state.engine.tokenizer, call.messages, call.tools,
                                         encoder=state.prompt_encoder, template=state.chat_template)
+        room = completion_room(state.engine.tokenizer, len(self.prompt_ids), call.params.max_tokens,
+                               call.max_tokens_param)
+        if room != call.params.max_tokens:
+            self.input = call = dataclasses.replace(call, params=dataclasses.replace(call.params, max_tokens=room))
         self._waited = 0.0
         """Seconds the call was held by a training pause."""
         self._engine_called = 0.0
@@ -218,7 +233,8 @@ class Completion:
         with self.state.control.answering(self.input.rollout_id):  # counted until answered (GET .../status)
             state, call = self.state, self.input
             choices = [_Choice(i, TextStream(state.detokenizer, call.params.stop),
-                               ToolCallStream(tool_names=call.tool_names) if call.tool_names is not None else None)
+                               ToolCallStream(tool_names=call.tool_names, style=_tool_call_style(call))
+                               if call.tool_names is not None else None)
                        for i in range(call.params.n)]
             pump = _EnginePump(lambda on_token: self._sample(choices, on_token))
             cut = False
@@ -331,7 +347,7 @@ class Completion:
         calls: list[ToolCallOut] = []
         errors = 0
         if call.tool_names is not None:
-            parsed = parse_tool_calls(text, tool_names=call.tool_names)
+            parsed = parse_tool_calls(text, tool_names=call.tool_names, style=_tool_call_style(call))
             content, errors = parsed.content, parsed.parse_errors
             ids = choice.call_ids + [format_tool_call_id() for _ in parsed.tool_calls[len(choice.call_ids):]]
             calls = [ToolCallOut(id=call_id, function=FunctionCallOut(name=c.name, arguments=c.arguments))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -56,7 +57,33 @@ async def json_body(request: Request) -> dict[str, Any]:
         ) from exc
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(body) and (where := _lone_surrogate(data)) is not None:
+        raise APIError(400, f"{where} holds a lone UTF-16 surrogate (half of an escaped character pair, e.g. text "
+                       "cut in the middle of an emoji): send valid Unicode text", param=where, code="invalid_json")
     return data
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+"""A surrogate written as an escape: only then can a decoded string hold a lone one (pairs decode whole)."""
+
+
+def _lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The path (``messages[0].content``) of the first string holding a lone surrogate, which no tokenizer,
+    record or response can encode; None when there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and (found := _lone_surrogate(key, path)) is not None:
+            return found
+        found = _lone_surrogate(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key)
+        if found is not None:
+            return found
+    return None
 
 
 def validated(model: type[M], raw: Any, *, at: tuple[str | int, ...] = ()) -> M:
@@ -113,7 +140,8 @@ def chat_max_tokens(body: ChatCompletionRequest) -> tuple[int | None, str]:
 
 def completion_input(body: ChatCompletionRequest, raw: dict[str, Any], settings: GatewaySettings, *,
                      endpoint: Endpoint, request_id: str, rollout_id: str | None, caller: str | None,
-                     seed: int | None, tools: list[dict[str, Any]] | None = None) -> CompletionInput:
+                     seed: int | None, tools: list[dict[str, Any]] | None = None,
+                     max_tokens_field: str | None = None) -> CompletionInput:
     """The pipeline's input for a chat completions request already passed through ``check_served``.
 
     Args:
@@ -126,10 +154,13 @@ def completion_input(body: ChatCompletionRequest, raw: dict[str, Any], settings:
         caller: the ``X-Art-Caller`` label, if any.
         seed: the ``X-Art-Seed`` header's seed, used when the body names no ``seed``.
         tools: the chat-format tool schemas as sent. Default: ``raw["tools"]``.
+        max_tokens_field: the request's name for the completion length, named in errors (the Responses API's
+            ``max_output_tokens``). Default: the chat request's field that set it.
     """
     if body.model_extra:
         logger.debug("ignoring unknown request fields: %s", sorted(body.model_extra))
     params = sampling_params(body, settings, seed=seed)
+    asked, param = chat_max_tokens(body)
     # The template sees the tools unless tool_choice is "none"; then no calls are parsed either.
     offered = bool(body.tools) and body.tool_choice != "none"
     return CompletionInput(
@@ -139,6 +170,7 @@ def completion_input(body: ChatCompletionRequest, raw: dict[str, Any], settings:
         tool_names=[t.function.name for t in body.tools or []] if offered else None,
         params=params, top_logprobs=body.top_logprobs or 0 if body.logprobs else -1, raw=raw,
         rollout_id=rollout_id, caller=caller,
+        max_tokens_param=(max_tokens_field or param) if asked is not None else None,
     )
 
 

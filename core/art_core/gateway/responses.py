@@ -266,7 +266,7 @@ async def create_response(request: Request) -> Response:
     check_served(state, model=body.model, max_tokens=body.max_output_tokens, param="max_output_tokens")
     completion = Completion(state, completion_input(
         chat, raw, state.settings, endpoint="responses", request_id=new_request_id("resp_"), rollout_id=rollout_id,
-        caller=caller, seed=request_seed(request), tools=chat_tools))
+        caller=caller, seed=request_seed(request), tools=chat_tools, max_tokens_field="max_output_tokens"))
     try:
         if body.stream:
             return await open_stream(request, completion.events(),

@@ -159,6 +159,40 @@ class ChatCompletionRequest(_Loose):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    # Sampling options that change the distribution sampled from. The trainer learns the model's own
+    # distribution and weighs each token by the sampler's recorded log-prob: a penalised or biased sampler would
+    # make those log-probs another policy's. Neutral values are accepted (clients send them), others refused.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None) -> float | None:
+        if value:
+            raise ValueError(f"{value} is not supported by the training gateway: penalties would sample from a "
+                             "distribution other than the model being trained (the recorded log-probs would not "
+                             "be the policy's); leave it out or set 0")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value and any(value.values()):
+            raise ValueError("is not supported by the training gateway: a bias would sample from a distribution "
+                             "other than the model being trained (the recorded log-probs would not be the "
+                             "policy's); leave it out")
+        return value
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _no_legacy_functions(cls, value: Any) -> Any:
+        if value:
+            raise ValueError("the legacy functions API is not supported: pass tools=[{\"type\": \"function\", "
+                             "\"function\": {...}}] and tool_choice instead")
+        return value
 
     @field_validator("stop")
     @classmethod

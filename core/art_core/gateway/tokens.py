@@ -15,7 +15,7 @@ from .chat_template import ChatTemplate
 from .errors import APIError
 from .prompt_encoder import PromptEncoder
 
-__all__ = ["Detokenizer", "TextStream", "render_prompt"]
+__all__ = ["Detokenizer", "TextStream", "completion_room", "model_context", "render_prompt"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +52,41 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[di
             code="unsupported_content",
         ) from exc
     ids = encoder.encode(text) if encoder is not None else encode_text(tokenizer, text)
-    context = getattr(tokenizer, "model_max_length", None)
-    if isinstance(context, int) and context < 10**8 and len(ids) >= context:  # huge values mean "not set"
+    context = model_context(tokenizer)
+    if context is not None and len(ids) >= context:
         raise APIError(
             400, f"the prompt has {len(ids)} tokens but the model's context is {context}: shorten the conversation",
             param="messages", code="context_length_exceeded",
         )
     return ids
+
+
+def model_context(tokenizer: Any) -> int | None:
+    """The model's context length in tokens (``model_max_length``); None when the tokenizer does not set it."""
+    context = getattr(tokenizer, "model_max_length", None)
+    return context if isinstance(context, int) and context < 10**8 else None  # huge values mean "not set"
+
+
+def completion_room(tokenizer: Any, prompt_tokens: int, max_tokens: int, param: str | None) -> int:
+    """The completion length a call gets: ``max_tokens`` when prompt and completion fit the context; else, for a
+    length the request did not set (``param`` None: the gateway's default), what is left of the context.
+
+    Raises:
+        APIError: 400 ``context_length_exceeded`` when the request's own ``param`` asks for more than fits (as
+            OpenAI and vLLM answer: a completion past the context would be sampled at positions the model was
+            never trained on, and recorded for training).
+    """
+    context = model_context(tokenizer)
+    if context is None or prompt_tokens + max_tokens <= context:
+        return max_tokens
+    room = context - prompt_tokens  # >= 1: render_prompt refuses a prompt that fills the context
+    if param is None:
+        return room
+    raise APIError(
+        400, f"this request needs {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} "
+        f"in the completion) but the model's context is {context}: set {param} to at most {room}, or shorten the "
+        "conversation", param=param, code="context_length_exceeded",
+    )
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:

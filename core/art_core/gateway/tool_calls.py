@@ -269,7 +269,7 @@ class ToolCallStream:
                 events += self._content(text)
 
     def _block(self, body: str, *, closed: bool) -> list[StreamEvent]:
-        call = _call_from_json(body, arguments_required=False)
+        call = _call_from_json(body if closed else _unclosed(body), arguments_required=False)
         if call is None:
             self._parse_errors += 1
             return self._content(_OPEN + body + (_CLOSE if closed else ""))
@@ -379,6 +379,12 @@ def _nested_schema(schema: dict[str, Any], at: str) -> tuple[dict[str, Any], dic
     return body, {key: moved(value) for key, value in definitions.items()}
 
 
+def _unclosed(body: str) -> str:
+    """An unclosed block's body without the start of ``</tool_call>`` it may end with (the length limit cut the
+    closing tag: ``...}\n</``), so that the call still parses."""
+    return body[:len(body) - _partial_tag_length(body, _CLOSE)]
+
+
 def _parse_hermes(text: str) -> ParsedCompletion:
     pieces: list[str] = []  # content: text between blocks, and blocks that failed to parse
     calls: list[ParsedToolCall] = []
@@ -390,7 +396,7 @@ def _parse_hermes(text: str) -> ParsedCompletion:
         end = text.find(_CLOSE, body_start)
         # No closing tag: the model stopped inside the block, which runs to the end of the text.
         pos = len(text) if end == -1 else end + len(_CLOSE)
-        body = text[body_start:] if end == -1 else text[body_start:end]
+        body = _unclosed(text[body_start:]) if end == -1 else text[body_start:end]
         call = _call_from_json(body, arguments_required=False)
         if call is None:
             errors += 1
