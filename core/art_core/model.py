@@ -13,13 +13,13 @@ import asyncio
 import concurrent.futures
 import inspect
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
+from ._names import check_name
 from .config import LoraSettings, SFTConfig, TrainConfig
 from .errors import ConfigError, LifecycleError
 from .types import CallRecord, Trajectory, TrajectoryGroup, chat_messages
@@ -40,16 +40,7 @@ metrics; sync or async. What observability layers (``art_plugins.langfuse``) att
 
 T = TypeVar("T")
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 EMBEDDED_MODEL = "smollm2-135m-instruct"
-
-
-def _check_name(kind: str, value: str) -> str:
-    # Names become folder names and, later, model names in URLs: no separators, no "..".
-    if not _NAME.match(value) or ".." in value:
-        raise ConfigError(f"{kind} {value!r} is not allowed: use 1-64 letters, digits, '.', '_' or '-', "
-                          "starting with a letter or digit")
-    return value
 
 
 class TrainableModel:
@@ -73,8 +64,8 @@ class TrainableModel:
 
     def __init__(self, *, name: str, project: str = "default", base_model: str | Path = EMBEDDED_MODEL,
                  lora: LoraSettings | None = None, report_to: ReportTo = None) -> None:
-        self.name = _check_name("model name", name)
-        self.project = _check_name("project name", project)
+        self.name = check_name("model name", name)
+        self.project = check_name("project name", project)
         self.base_model = base_model
         self.lora = lora or LoraSettings()
         self._backend: Backend | None = None

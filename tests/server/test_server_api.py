@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+from pathlib import Path
 
 import httpx
 import openai
@@ -124,6 +125,12 @@ async def test_bad_payloads_get_4xx_naming_the_field(server: Server, registered:
         response = await client.post(f"{API_PREFIX}/models", json={"name": 3, "project": "p", "base_model": "x",
                                                                    "lora": {}})
         assert response.status_code == 400 and response.json()["error"]["param"] == "name"
+        # Names that would put the model's folder outside --path: refused as TrainableModel refuses them.
+        for name, project in (("..", "p"), ("../../escaped", "p"), ("ok", "/abs/dir"), ("ok", "a/b")):
+            response = await client.post(f"{API_PREFIX}/models", json={"name": name, "project": project,
+                                                                       "base_model": "x", "lora": {}})
+            assert response.status_code == 400 and "is not allowed" in response.json()["error"]["message"], name
+        assert not (server.path.parent / "escaped").exists() and not Path("/abs").exists()
         # The gateway's own checks still answer, under the server.
         response = await client.post(f"/gateway/{registered.project}/{registered.name}/v1/chat/completions",
                                      json={"model": "tiny", "messages": "hi"})
@@ -287,4 +294,30 @@ async def test_train_call_survives_a_server_restart(tmp_path, tiny_model_dir):
         assert metrics["trained"] and model.step == 1
         assert [row["step"] for row in await model.history()] == [1]
         assert sorted(p.name for p in started.parent.iterdir()) == ["0001-2.jsonl", "0001.jsonl"]
+        await backend.aclose()
+
+
+async def test_a_server_restarted_between_steps_is_used_again_without_registering_anew(tmp_path, tiny_model_dir):
+    """The server restarts while the client is idle: its next call (a sample, a rollout's records, a step) finds
+    the model unknown there, registers it again (it resumes from its checkpoint) and goes on."""
+    model = TrainableModel(name="between", base_model=tiny_model_dir)
+    messages = [{"role": "user", "content": "Hi"}]
+    with running_server(tmp_path) as first:
+        backend = RemoteBackend(first.url, token=TOKEN, show_progress=False)
+        await model.register(backend)
+        group = TrajectoryGroup(await model.sample(messages, n=2, max_tokens=3))
+        for reward, trajectory in enumerate(group):
+            trajectory.reward = float(reward)
+        await model.train([group])
+        first.process.kill()  # as a crash, between two steps
+        first.process.wait()
+    port = first.url.rsplit(":", 1)[1]
+    with running_server(tmp_path, args=("--port", port)):
+        assert await model.fetch_rollout_records("never-used") == []  # the gateway route: registered again
+        group = TrajectoryGroup(await model.sample(messages, n=2, max_tokens=3))
+        assert {t.calls[0].adapter_step for t in group} == {1}  # resumed from step 1's checkpoint
+        for reward, trajectory in enumerate(group):
+            trajectory.reward = float(reward)
+        await model.train([group])
+        assert model.step == 2 and [row["step"] for row in await model.history()] == [1, 2]
         await backend.aclose()

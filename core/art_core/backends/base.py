@@ -35,8 +35,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
+from .._names import check_name
 from ..config import LoraSettings, SFTConfig, TrainConfig
 from ..types import Trajectory, TrajectoryGroup
 
@@ -59,6 +60,13 @@ class ModelSpec(BaseModel):
     """The model's name: its folder under ``<root>/<project>/models/`` and the name the gateway serves."""
     project: str
     """Groups models on disk."""
+
+    @field_validator("name", "project")
+    @classmethod
+    def _folder_name(cls, value: str, info: ValidationInfo) -> str:
+        # Checked here too, not only by TrainableModel: a spec arriving over the wire (art-core serve) names
+        # folders on the server, which must stay under its --path.
+        return check_name(f"{'model' if info.field_name == 'name' else 'project'} name", value)
     base_model: str
     """A registered base model name or a local Hugging Face folder (a path on the backend's machine)."""
     lora: LoraSettings

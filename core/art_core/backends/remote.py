@@ -190,6 +190,7 @@ class RemoteBackend:
         base = f"{API_PREFIX}/models/{model.project}/{model.name}/train"
         deadline: float | None = None
         attach = False  # first POST the call; after a drop, re-attach by id (or POST again if the server lost it)
+        reregistered = False
         with progress_bar(f"training step {registered.step + 1}",
                           enabled=self.show_progress and progress is None) as bar:
             report = progress or bar
@@ -217,11 +218,12 @@ class RemoteBackend:
                 except _NotFound:
                     attach = False  # the server restarted before the call finished: send it again
                 except ModelNotRegisteredError:
-                    if deadline is None:  # no restart seen: the model was never registered there
+                    if reregistered:
                         raise
-                    # The server restarted and lost its registrations: register again, then resend the call.
-                    await self._register(model)
-                    attach = False
+                    # Registered here, unknown there: the server restarted and lost its registrations (during
+                    # this call, or since the last one). Register again, then resend the call.
+                    await self._reregister(model)
+                    reregistered, attach = True, False
                 except (httpx.TransportError, ServerUnavailableError) as exc:
                     now = time.monotonic()
                     deadline = deadline if deadline is not None else now + self.reconnect_for
@@ -232,37 +234,59 @@ class RemoteBackend:
 
     async def sample(self, model: ModelSpec, messages: Sequence[dict[str, Any]], *, n: int, max_tokens: int,
                      temperature: float, tools: list[dict[str, Any]] | None, seed: int | None) -> list[Trajectory]:
-        self._registered(model)
         body = SampleRequest(messages=list(messages), n=n, max_tokens=max_tokens, temperature=temperature,
                              tools=tools, seed=seed)
-        response = await self._call("POST", self._model_path(model, "sample"), content=body.model_dump_json().encode())
+        response = await self._model_call(model, "POST", "sample", content=body.model_dump_json().encode())
         return _TRAJECTORIES.validate_json(response.content)
 
     async def checkpoints(self, model: ModelSpec) -> list[int]:
-        self._registered(model)
-        return list((await self._call("GET", self._model_path(model, "checkpoints"))).json())
+        return list((await self._model_call(model, "GET", "checkpoints")).json())
 
     async def delete_checkpoints(self, model: ModelSpec, steps: Sequence[int]) -> list[int]:
-        self._registered(model)
         content = json.dumps({"steps": list(steps)}).encode()
-        return list((await self._call("POST", self._model_path(model, "checkpoints/delete"), content=content)).json())
+        return list((await self._model_call(model, "POST", "checkpoints/delete", content=content)).json())
 
     async def history(self, model: ModelSpec) -> list[dict[str, Any]]:
+        return list((await self._model_call(model, "GET", "history")).json())
+
+    async def _model_call(self, model: ModelSpec, method: str, route: str, *,
+                          content: bytes | None = None) -> httpx.Response:
+        """``_call`` on one of the model's routes; a server that restarted since (it no longer knows the model)
+        gets the model registered again, and the call once more."""
         self._registered(model)
-        return list((await self._call("GET", self._model_path(model, "history"))).json())
+        try:
+            return await self._call(method, self._model_path(model, route), content=content)
+        except ModelNotRegisteredError:
+            await self._reregister(model)
+            return await self._call(method, self._model_path(model, route), content=content)
+
+    async def _reregister(self, model: ModelSpec) -> None:
+        """Register ``model`` again on a server that lost it (a restart): it resumes from its last checkpoint."""
+        logger.info("the server at %s no longer knows %s/%s (it restarted): registering it again", self.url,
+                    model.project, model.name)
+        self._models.add(model, await self._register(model))
 
     # -- HTTP -------------------------------------------------------------------------------------------
 
     async def _gateway_get(self, model: ModelSpec, path: str) -> httpx.Response:
-        """GET ``path`` of the model's gateway (one round trip on a pooled connection, off the loop's thread)."""
+        """GET ``path`` of the model's gateway (one round trip on a pooled connection, off the loop's thread); a
+        server that restarted since gets the model registered again, and the call once more."""
         url = self._gateway_url(model) + path
-        try:
-            async with self._http.client() as client:
-                response = await client.get(url)
-        except httpx.TransportError as exc:
-            raise self._unavailable(exc) from exc
-        self._raise_for_error(response)
-        return response
+        for attempt in range(2):
+            try:
+                async with self._http.client() as client:
+                    response = await client.get(url)
+            except httpx.TransportError as exc:
+                raise self._unavailable(exc) from exc
+            try:
+                self._raise_for_error(response)
+            except ModelNotRegisteredError:
+                if attempt:
+                    raise
+                await self._reregister(model)
+                continue
+            return response
+        raise AssertionError("unreachable")
 
     def _encode(self, content: bytes) -> tuple[bytes, dict[str, str]]:
         headers = {"Content-Type": "application/json"}

@@ -229,8 +229,9 @@ class _Dispatch:
         parts = path.split("/", 4)  # "", "gateway", project, name, rest
         spec = self.served.specs.get((parts[2], parts[3])) if len(parts) >= 4 else None
         if spec is None:
-            return await send_error(send, 404, "ConfigError", f"no model is served at {path[:200]!r}: register it "
-                                    "first; gateways live at /gateway/<project>/<name>/v1")
+            # ModelNotRegisteredError: a RemoteBackend that had registered it (before a restart) registers again
+            return await send_error(send, 404, "ModelNotRegisteredError", f"no model is served at {path[:200]!r}: "
+                                    "register it first; gateways live at /gateway/<project>/<name>/v1")
         # As Starlette's Mount does: the path stays whole, root_path grows by the prefix the gateway sits under.
         prefix = gateway_path(spec.project, spec.name)
         child = dict(scope, root_path=scope.get("root_path", "") + prefix)
