@@ -321,3 +321,33 @@ async def test_a_server_restarted_between_steps_is_used_again_without_registerin
         await model.train([group])
         assert model.step == 2 and [row["step"] for row in await model.history()] == [1, 2]
         await backend.aclose()
+
+
+async def test_a_call_resent_after_a_crash_between_checkpoint_and_record_is_not_trained_again(tmp_path, tiny_model_dir):
+    """The server wrote step 1's checkpoint and was killed before it recorded the call's result (its
+    ``train_calls`` file) and the history row: the same call sent again is answered from the checkpoint, which
+    names the call, and step 1 is not trained a second time. Also: a write the kill cut (``.tmp-``) is removed."""
+    model = TrainableModel(name="once", base_model=tiny_model_dir)
+    model_dir = tmp_path / "default" / "models" / "once"
+    with running_server(tmp_path) as first:
+        backend = RemoteBackend(first.url, token=TOKEN, show_progress=False)
+        await model.register(backend)
+        group = _group(7)
+        metrics = await model.train([group])
+        first.process.kill()
+        first.process.wait()
+    # The crash window, made by hand: the result's record and the history row never written, a write cut short.
+    assert [p.unlink() for p in (model_dir / "train_calls").iterdir()]
+    (model_dir / "history.jsonl").unlink()
+    (model_dir / "checkpoints" / ".tmp-0002-deadbeef").mkdir()
+    port = first.url.rsplit(":", 1)[1]
+    with running_server(tmp_path, args=("--port", port)):
+        again = TrainableModel(name="once", base_model=tiny_model_dir)
+        async with RemoteBackend(first.url, token=TOKEN, show_progress=False) as backend:
+            await again.register(backend)
+            assert again.step == 1
+            resent = await again.train([group])  # the same groups and config: the same call id
+            assert again.step == 1 and resent["loss"] == metrics["loss"]
+            assert [row["step"] for row in await again.history()] == [1]  # the lost row, restored
+        assert sorted(p.name for p in (model_dir / "trajectories").iterdir()) == ["0001.jsonl"]
+        assert sorted(p.name for p in (model_dir / "checkpoints").iterdir()) == ["0001"]

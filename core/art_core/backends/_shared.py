@@ -101,14 +101,15 @@ class ServesModels:
     # -- training and sampling -------------------------------------------------------------------------
 
     async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig | SFTConfig, *,
-                    progress: Progress | None = None) -> TrainResult:
+                    progress: Progress | None = None, train_id: str | None = None) -> TrainResult:
         """The contract's ``train`` (see ``_steps``). ``progress(done, total)``, when given, is called as
-        micro-batches finish (``art-core serve`` streams it to its client)."""
+        micro-batches finish (``art-core serve`` streams it to its client). ``train_id`` (``art-core serve``'s
+        train call) is kept in the checkpoint, with the metrics (``checkpoints.checkpoint_of_train_call``)."""
         from ..training.trainer import check_config
 
         slot = self._models.get(model)
         check_config(config)  # a bad loss option fails here, before the gateway pauses or anything is written
-        return (await slot.steps.run(groups, config, progress)).result  # type: ignore[no-any-return]
+        return (await slot.steps.run(groups, config, progress, train_id=train_id)).result  # type: ignore[no-any-return]
 
     async def prepare_training(self, model: ModelSpec, config: TrainConfig | SFTConfig) -> None:
         """``TrainableModel.prepare_training``: the trainer makes what a first step under ``config`` would make at

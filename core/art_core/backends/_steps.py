@@ -180,10 +180,11 @@ class StepRunner:
         self._idle.set()
 
     async def run(self, groups: Sequence[TrajectoryGroup], config: TrainConfig | SFTConfig,
-                  progress: Progress | None = None,
+                  progress: Progress | None = None, *, train_id: str | None = None,
                   **options: Any) -> StepOutcome:
         """One step on ``groups``; a call made while another step runs waits for it (``options`` go to
-        ``StepWork.train``).
+        ``StepWork.train``). ``train_id`` (a server's train call) is written into the checkpoint with the step's
+        metrics, so that a call resent after a crash between the two is answered, not trained twice.
 
         Raises:
             EngineError: the checkpoint was written but could not be served (see the module docstring).
@@ -199,12 +200,12 @@ class StepRunner:
             if self.pause_during_step:
                 self._idle.clear()
             groups = list(groups)
-            step, metrics, checkpoint, trained = await self._train(groups, config, progress, options)
+            step, metrics, checkpoint, trained = await self._train(groups, config, progress, options, train_id)
             if trained.save is not None and self._written_after_release(trained):
                 async with self._writing:
                     self._lock.release()
                     holding_trainer = False
-                    checkpoint = await self._write_checkpoint(step, trained.save, config, metrics)
+                    checkpoint = await self._write_checkpoint(step, trained.save, config, metrics, train_id)
             async with self._publishing:
                 if holding_trainer and not self.pause_during_step:  # the next step may train while this publishes
                     self._lock.release()
@@ -235,7 +236,7 @@ class StepRunner:
             yield
 
     async def _train(self, groups: list[TrajectoryGroup], config: TrainConfig | SFTConfig, progress: Progress | None,
-                     options: dict[str, Any]) -> tuple[int, dict[str, Any], Path | None, Trained]:
+                     options: dict[str, Any], train_id: str | None) -> tuple[int, dict[str, Any], Path | None, Trained]:
         """Steps 1-3 of the module docstring. Returns this step's number, its metrics, its checkpoint folder (None:
         nothing trained, or a detached save left for ``run`` to write once the trainer is free) and what the
         backend's ``train`` returned."""
@@ -255,7 +256,7 @@ class StepRunner:
             if trained.save is not None and self._written_after_release(trained):
                 self._trained = next_step  # run() writes it; the next step trains on from this one meanwhile
             elif trained.save is not None:
-                checkpoint = await self._write_checkpoint(next_step, trained.save, config, metrics)
+                checkpoint = await self._write_checkpoint(next_step, trained.save, config, metrics, train_id)
         except BaseException:
             if self.error is None and self.hold.state == "paused":  # nothing changed: serve on as before
                 await self.hold.resume_after_training(self.step)
@@ -269,12 +270,14 @@ class StepRunner:
         return trained.detached and not self.pause_during_step
 
     async def _write_checkpoint(self, step: int, save: Callable[[Path], None], config: TrainConfig | SFTConfig,
-                                metrics: dict[str, Any]) -> Path:
+                                metrics: dict[str, Any], train_id: str | None = None) -> Path:
         """``checkpoints/NNNN``, atomic (a folder renamed into place); ``self.step`` is then this step."""
         from ..training.checkpoints import write_checkpoint
 
-        checkpoint = await HELPERS.run(write_checkpoint, self.model_dir, step, save,
-                                       metadata=_checkpoint_metadata(config, metrics))
+        metadata = _checkpoint_metadata(config, metrics)
+        if train_id is not None:
+            metadata.update(train_id=train_id, metrics=metrics)
+        checkpoint = await HELPERS.run(write_checkpoint, self.model_dir, step, save, metadata=metadata)
         self.step = self._trained = step
         return checkpoint
 

@@ -27,7 +27,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
-from ..backends.base import Backend, ModelSpec
+from ..backends._shared import append_history, read_history
+from ..backends.base import Backend, ModelSpec, Progress, TrainResult
 from ..config import STEP_KINDS
 from ..errors import (
     ArtError,
@@ -51,7 +52,11 @@ from ..wire import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from ..config import SFTConfig, TrainConfig
     from ..gateway import Gateway
+    from ..types import TrajectoryGroup
 
 __all__ = ["REGISTER_HEARTBEAT_S", "ServedBackend", "ServerApp", "create_server_app"]
 
@@ -84,6 +89,11 @@ class ServedBackend(Backend, Protocol):
 
     def current_step(self, model: ModelSpec) -> int:
         """The latest checkpoint written for the model (the one served, unless publishing it failed)."""
+        ...
+
+    async def train(self, model: ModelSpec, groups: Sequence[TrajectoryGroup], config: TrainConfig | SFTConfig, *,
+                    progress: Progress | None = None, train_id: str | None = None) -> TrainResult:
+        """``Backend.train``, with the server's call id kept in the checkpoint (``StepRunner.run``)."""
         ...
 
 
@@ -155,8 +165,19 @@ def create_server_app(backend: ServedBackend, *, token: str | None, max_body_byt
         record_dir = backend.model_dir(spec) / "train_calls"
         job, state = jobs.attach(body.train_id, digest, record_dir)
         if job is None:
+            from ..training.checkpoints import checkpoint_of_train_call
+
+            # Killed after the checkpoint, before the call's result was recorded: answer from the checkpoint.
+            written = checkpoint_of_train_call(backend.model_dir(spec), body.train_id)
+
             async def run(progress: Any) -> dict[str, Any]:
-                result = await backend.train(spec, body.groups, body.config, progress=progress)
+                if written is not None:
+                    step, metrics = written
+                    if not any(row.get("step") == step for row in read_history(backend.model_dir(spec))):
+                        append_history(backend.model_dir(spec), {"step": step, "time": time.time(),
+                                                                 "kind": body.config.kind, **metrics})
+                    return TrainResult(step=step, metrics=metrics).model_dump(mode="json")
+                result = await backend.train(spec, body.groups, body.config, progress=progress, train_id=body.train_id)
                 return result.model_dump(mode="json")
 
             job = jobs.start(body.train_id, digest, record_dir, run)

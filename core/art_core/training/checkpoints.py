@@ -3,8 +3,9 @@
 Layout: ``<model_dir>/checkpoints/NNNN/`` holds ``adapter_model.safetensors``, ``adapter_config.json``,
 ``optimizer.pt`` (to resume training where it stopped) and ``checkpoint.json``, written last. A checkpoint
 is written into a hidden temporary sibling and renamed into place, so a crash leaves either the old set
-of checkpoints or the new one; a numbered folder without ``checkpoint.json`` (copied by hand, or written
-by other tools) is ignored with a warning.
+of checkpoints or the new one (the hidden leftover is removed when the model is next loaded); a numbered folder
+without ``checkpoint.json`` (copied by hand, or written by other tools) is ignored with a warning. A step run for
+``art-core serve``'s train call names the call in ``checkpoint.json``, with the step's metrics.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Any
 
 from ..errors import CheckpointError
 
-__all__ = ["CheckpointInfo", "delete_checkpoints", "latest_checkpoint", "list_checkpoints", "write_checkpoint"]
+__all__ = ["CheckpointInfo", "checkpoint_of_train_call", "delete_checkpoints", "latest_checkpoint", "list_checkpoints",
+           "remove_interrupted_writes", "write_checkpoint"]
 
 MARKER = "checkpoint.json"
 
@@ -92,9 +94,40 @@ def list_checkpoints(model_dir: Path) -> list[CheckpointInfo]:
 
 
 def latest_checkpoint(model_dir: Path) -> CheckpointInfo | None:
-    """The complete checkpoint with the highest step, or None."""
+    """The complete checkpoint with the highest step, or None. Leftovers of writes a crash interrupted are removed
+    first (``remove_interrupted_writes``): this is called when a model is loaded, before any write of its own."""
+    remove_interrupted_writes(model_dir)
     checkpoints = list_checkpoints(model_dir)
     return checkpoints[-1] if checkpoints else None
+
+
+def remove_interrupted_writes(model_dir: Path) -> list[str]:
+    """Delete the hidden folders a killed process left in ``checkpoints/`` (``.tmp-``: a write never renamed into
+    place; ``.old-``/``.del-``: a replaced or deleted checkpoint not yet removed). Returns their names.
+
+    Only safe while no process writes the model's checkpoints: called when a model is loaded.
+    """
+    root = model_dir / "checkpoints"
+    removed = []
+    for entry in sorted(root.iterdir()) if root.is_dir() else []:
+        if entry.is_dir() and entry.name.startswith((".tmp-", ".old-", ".del-")):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
+
+
+def checkpoint_of_train_call(model_dir: Path, train_id: str) -> tuple[int, dict[str, Any]] | None:
+    """``(step, metrics)`` of the checkpoint a train call wrote (``train_id`` in its ``checkpoint.json``), newest
+    first; None when no checkpoint names it. How a call resent after a crash (checkpoint written, result not
+    yet recorded) is answered rather than trained again."""
+    for info in list_checkpoints(model_dir)[:-4:-1]:  # the newest three: a crash leaves at most the last unrecorded
+        try:
+            data = json.loads((info.path / MARKER).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if data.get("train_id") == train_id and isinstance(data.get("metrics"), dict):
+            return info.step, data["metrics"]
+    return None
 
 
 def delete_checkpoints(model_dir: Path, steps: Iterable[int], *, keep: int) -> list[int]:
