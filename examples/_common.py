@@ -30,7 +30,9 @@ import asyncio
 import inspect
 import json
 import statistics
+import sys
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -151,7 +153,7 @@ def parse_settings(description: str, defaults: ExampleSettings, argv: Sequence[s
                         "'all' for each one installed); see the README's 'Experiment tracking'")
     parser.add_argument("--demos", type=int, default=defaults.demos,
                         help="SFT warm start: demonstrations from the example's teacher, trained on before the GRPO "
-                        "steps (default: %(default)s, off)")
+                        "steps (default: %(default)s; 0: off)")
     parser.add_argument("--sft-epochs", type=int, default=defaults.sft_epochs,
                         help="passes over the demonstrations in the SFT step (default: %(default)s)")
     parser.add_argument("--sft-learning-rate", type=float, default=defaults.sft_learning_rate,
@@ -191,11 +193,22 @@ def parse_settings(description: str, defaults: ExampleSettings, argv: Sequence[s
 
 def run_from_command_line(main: Callable[[], object]) -> None:
     """``python -m examples.<name>``: run ``main``; an error of ours (it names the fix) ends the run with its
-    message on one line and exit status 1, not a traceback. Called from Python, ``main`` raises as usual."""
+    message on one line and exit status 1, not a traceback; Ctrl-C ends it with one line and status 130 (what
+    was trained is kept: checkpoints are written whole or not at all). Called from Python, ``main`` raises as
+    usual."""
     try:
         main()
     except ArtError as exc:
         raise SystemExit(f"error: {exc}") from None
+    except KeyboardInterrupt:
+        print("\ninterrupted: the checkpoints written so far are kept (none is half-written)", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def run_name(name: str) -> str:
+    """A model name of its own for this run: ``name``, the time and a random suffix, so that runs started in the
+    same second (seeds launched side by side) never share a folder."""
+    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
 
 
 def open_backend(settings: ExampleSettings) -> LocalBackend:
@@ -743,9 +756,9 @@ def _summary(result: LearningResult, console: Console) -> None:
     console.print(f"\n[bold]{result.name}[/]: held-out success {result.success_before:.1%} -> "
                   f"{result.success_after:.1%} ({delta * 100:+.1f} points) in {result.seconds / 60:.1f} min")
     if result.success_after_sft is not None:
+        then_grpo = f", then GRPO -> {result.success_after:.1%}" if result.steps else " (no GRPO step)"
         console.print(f"SFT warm start on {result.demos_trained} demonstrations: held-out success "
-                      f"{result.success_before:.1%} -> {result.success_after_sft:.1%}, then GRPO -> "
-                      f"{result.success_after:.1%}")
+                      f"{result.success_before:.1%} -> {result.success_after_sft:.1%}{then_grpo}")
     if result.steps:
         console.print(f"training reward per step  {sparkline(result.rewards)}  "
                       f"({result.rewards[0]:+.2f} -> {result.rewards[-1]:+.2f})")

@@ -9,7 +9,6 @@ for a strong hosted model.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +17,8 @@ from rich.console import Console
 from art_core import Trajectory, TrainableModel, TrajectoryGroup
 from art_plugins.openai_agents import TrainableRunner
 
-from .._common import ExampleSettings, LearningResult, demonstration_tasks, learn, open_backend, parse_settings
+from .._common import (ExampleSettings, LearningResult, demonstration_tasks, learn, open_backend, parse_settings,
+                       run_name)
 from .agent import MODEL_NAME, SupportTask, build_agent, make_tasks, reward
 from .expert import support_expert
 
@@ -40,7 +40,7 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
               name: str | None = None) -> LearningResult:
     """Train the support desk; held-out success: the right department and the looked-up fact in the reply."""
     console = console or Console(soft_wrap=True)
-    model = TrainableModel(name=name or f"{MODEL_NAME}-{int(time.time())}", project="agents_sdk_support",
+    model = TrainableModel(name=name or run_name(MODEL_NAME), project="agents_sdk_support",
                            base_model=settings.base_model, report_to=list(settings.report_to))
     async with open_backend(settings) as backend:
         await model.register(backend)

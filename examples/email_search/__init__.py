@@ -15,18 +15,16 @@ hosted model.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from rich.console import Console
 
 from art_core import TrainableModel, TrajectoryGroup
 from art_core.errors import ConfigError
-from art_core.rewards import ruler_score_group
 
 from .._common import (ExampleSettings, LearningResult, graph_at, graph_demonstrations, learn, open_backend,
-                       parse_settings)
-from ..ruler_only import judge_endpoint
+                       parse_settings, run_name)
+from ..ruler_only import Judged, judge_endpoint
 from .agent import MAX_TURNS, MODEL_NAME, build_graph, reward, task_input
 from .expert import email_expert
 from .mailbox import Mailbox, Question
@@ -86,7 +84,7 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
     mailbox = Mailbox(seed=settings.seed)
     train_questions, eval_questions = split_questions(mailbox, train=settings.steps * settings.groups,
                                                       held_out=settings.held_out)
-    model = TrainableModel(name=name or f"{MODEL_NAME}-{int(time.time())}", project="email_search",
+    model = TrainableModel(name=name or run_name(MODEL_NAME), project="email_search",
                            base_model=settings.base_model, report_to=list(settings.report_to))
     async with open_backend(settings) as backend:
         await model.register(backend)
@@ -100,10 +98,10 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
         _, measure = at(EVAL_TEMPERATURE)
 
         async with judge_endpoint(settings) as judge:
+            ruler = Judged(judge, rubric=RUBRIC)  # a failed judge call keeps the hand reward
+
             async def judged(question: Question, n: int, seed: int) -> TrajectoryGroup:
-                group = await training_play(question, n, seed)
-                scored = await ruler_score_group(group, rubric=RUBRIC, seed=seed, swallow_exceptions=True, **judge)
-                return scored if scored is not None else group  # a failed judge call keeps the hand reward
+                return await ruler(await training_play(question, n, seed), seed)
 
             # The same graph; its calls answered by the expert instead of the trainable model, each recorded.
             demonstrate = graph_demonstrations(agent, lambda: email_expert(mailbox), task_input, reward)

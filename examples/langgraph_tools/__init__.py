@@ -18,7 +18,8 @@ from art_core import TrainableModel, TrajectoryGroup
 from art_plugins.langgraph import trainable
 
 from .. import _common
-from .._common import ExampleSettings, LearningResult, graph_demonstrations, learn, open_backend, parse_settings
+from .._common import (ExampleSettings, LearningResult, graph_demonstrations, learn, open_backend, parse_settings,
+                       run_name)
 from .agent import MODEL_NAME, CalcTask, build_graph, make_tasks, reward
 from .expert import calculator_expert
 
@@ -40,10 +41,8 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
     Returns:
         Held-out success before and after, each step's figures, where the checkpoints and the curve are.
     """
-    import time
-
     console = console or Console(soft_wrap=True)
-    model = TrainableModel(name=name or f"{MODEL_NAME}-{int(time.time())}", project="langgraph_tools",
+    model = TrainableModel(name=name or run_name(MODEL_NAME), project="langgraph_tools",
                            base_model=settings.base_model, report_to=list(settings.report_to))
     async with open_backend(settings) as backend:
         await model.register(backend)

@@ -7,14 +7,13 @@ hosted model.
 
 from __future__ import annotations
 
-import time
 
 from rich.console import Console
 
 from art_core import TrainableModel
 
 from .._common import (ExampleSettings, LearningResult, demonstration_tasks, graph_at, graph_demonstrations, learn,
-                       open_backend, parse_settings)
+                       open_backend, parse_settings, run_name)
 from .agent import MODEL_NAME, build_graph, make_tasks, reward
 from .expert import tic_tac_toe_expert
 
@@ -36,7 +35,7 @@ async def run(settings: ExampleSettings = DEFAULTS, *, console: Console | None =
               name: str | None = None) -> LearningResult:
     """Train the tic-tac-toe player; held-out success is the share of games won."""
     console = console or Console(soft_wrap=True)
-    model = TrainableModel(name=name or f"{MODEL_NAME}-{int(time.time())}", project="tic_tac_toe",
+    model = TrainableModel(name=name or run_name(MODEL_NAME), project="tic_tac_toe",
                            base_model=settings.base_model, report_to=list(settings.report_to))
     async with open_backend(settings) as backend:
         await model.register(backend)

@@ -70,3 +70,21 @@ async def test_sft_then_grpo_logs_both_sections_and_a_changed_learning_rate_as_a
     resumed = client.get_run(run.info.run_id)
     assert resumed.data.params["train.learning_rate"] == "0.001"
     assert resumed.data.tags[MLFLOW_CONFIG_TAG_PREFIX + "train.learning_rate"] == "0.003"
+
+
+async def test_without_a_tracking_uri_the_store_is_in_the_models_folder_not_the_current_one(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """No ``MLFLOW_TRACKING_URI`` and no server: MLflow's own default would write ``mlflow.db`` (and artifacts)
+    into the current directory; the runs go under the model's tracking folder, as the other trackers' files do."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    await train_twice(tmp_path / "art", tiny_model_dir, lambda: "mlflow", project="mlflow-local")
+    assert list(cwd.iterdir()) == []
+    folder = tmp_path / "art" / "mlflow-local" / "models" / "tracked" / "tracking"
+    run_id = json.loads((folder / "runs.json").read_text())["mlflow"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{folder / 'mlflow' / 'mlflow.db'}")
+    assert [m.step for m in client.get_metric_history(run_id, "train/reward_mean")] == [1, 2, 3]  # one run, resumed
+    assert len(client.list_artifacts(run_id, TRAJECTORY_TABLES)) == 3
+    assert (folder / "mlflow" / "artifacts").is_dir()

@@ -8,6 +8,7 @@ links the traces to the run: the step is where reward and run meet.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -35,8 +36,10 @@ class MLflowTracker:
     ``config.<key>``), and each step's trajectory table as an artifact under ``trajectories/``.
 
     Args:
-        tracking_uri: the tracking server (``http://127.0.0.1:5000``) or store; default: MLflow's
-            (``MLFLOW_TRACKING_URI``, else its local default).
+        tracking_uri: the tracking server (``http://127.0.0.1:5000``) or store; default:
+            ``MLFLOW_TRACKING_URI``, else a local store in the model's tracking folder
+            (``<model_dir>/tracking/mlflow/mlflow.db``, artifacts beside it; ``mlflow ui --backend-store-uri
+            sqlite:///<that file>`` shows it), not MLflow's own default in the current directory.
         experiment: the experiment's name; default: the model's project.
     """
 
@@ -57,7 +60,12 @@ class MLflowTracker:
     def start(self, run: RunInfo) -> str:
         from mlflow import MlflowClient
 
-        self._client = client = MlflowClient(tracking_uri=self.tracking_uri)
+        uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        local = None if uri else run.folder / "mlflow"
+        if local is not None:  # files under the model's folder, as the other trackers' are
+            local.mkdir(parents=True, exist_ok=True)
+            uri = f"sqlite:///{(local / 'mlflow.db').resolve()}"
+        self._client = client = MlflowClient(tracking_uri=uri)
         if run.run_id is not None:
             resumed = client.get_run(run.run_id)
             client.update_run(resumed.info.run_id, status="RUNNING")
@@ -66,7 +74,8 @@ class MLflowTracker:
         else:
             name = self.experiment or run.project
             experiment = client.get_experiment_by_name(name)
-            experiment_id = experiment.experiment_id if experiment is not None else client.create_experiment(name)
+            experiment_id = experiment.experiment_id if experiment is not None else client.create_experiment(
+                name, artifact_location=(local / "artifacts").resolve().as_uri() if local is not None else None)
             created = client.create_run(experiment_id, run_name=run.name, tags={"art.model": run.name})
             self._run_id = created.info.run_id
             self._config = {}
