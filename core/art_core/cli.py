@@ -54,6 +54,18 @@ def warnings_as_lines() -> Iterator[None]:
         yield
 
 
+def _require_training_stack(command: str, modules: tuple[str, ...] = ("torch", "transformers", "peft")) -> None:
+    """End ``command`` with one line naming the extra to install when the training stack is missing (a light
+    client install, ``art-core[serve]``, has the CLI without it)."""
+    import importlib.util
+
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        typer.secho(f"error: {command} needs {', '.join(missing)}, which this install lacks: pip install "
+                    "'art-core[train]'", fg="red", err=True)
+        raise typer.Exit(1)
+
+
 @app.command()
 def demo(
     steps: int = typer.Option(10, min=1, help="GRPO steps."),
@@ -66,6 +78,7 @@ def demo(
     threads: int = typer.Option(0, min=0, help="torch threads (0: as many as cores)."),
 ) -> None:
     """The minimal loop, no agent: GRPO on raw samples of "a + b" (`make demo` trains a LangGraph agent instead)."""
+    _require_training_stack("art-core demo")
     import torch
 
     from .config import TrainConfig
@@ -145,6 +158,8 @@ def export(
                                          "[default: float32]."),
 ) -> None:
     """Write a checkpoint as a plain PEFT adapter folder, or merged into its base model (loads in vLLM and transformers)."""
+    if merged:
+        _require_training_stack("art-core export --merged")
     from .export import export_adapter, export_merged, find_checkpoint
 
     unused = [flag for flag, value in (("--base-model", base_model), ("--dtype", dtype)) if value is not None]

@@ -10,6 +10,7 @@ from art_core import (
     CheckpointError,
     ConfigError,
     LocalBackend,
+    LoraSettings,
     ModelSpec,
     TrainableModel,
     TrainConfig,
@@ -55,3 +56,18 @@ async def test_checkpoints_history_and_deletion(tiny_model_dir, tmp_path):
         assert await model.delete_checkpoints([1, 2, 7]) == [1, 2]  # 7 never existed: ignored
         assert await model.checkpoints() == [3]
         assert sorted(p.name for p in (model.model_dir / "checkpoints").iterdir()) == ["0003"]
+
+
+async def test_a_model_resumed_with_another_adapter_shape_is_refused(tiny_model_dir, tmp_path):
+    """The checkpoint would load as saved and the new LoraSettings be silently ignored (and recorded as if held)."""
+    model = TrainableModel(name="shaped", base_model=tiny_model_dir)
+    async with LocalBackend(path=tmp_path, show_progress=False, serve=False) as backend:
+        await model.register(backend)
+        await model.train([_group()], config=TrainConfig(learning_rate=1e-2))
+    other = TrainableModel(name="shaped", base_model=tiny_model_dir, lora=LoraSettings(rank=4, alpha=8))
+    async with LocalBackend(path=tmp_path, show_progress=False, serve=False) as backend:
+        with pytest.raises(ConfigError, match=r"whose adapter has rank 8 \(asked: 4\), alpha 16 \(asked: 8\)"):
+            await other.register(backend)
+        same = TrainableModel(name="shaped", base_model=tiny_model_dir, lora=LoraSettings(seed=3))  # seed: not shape
+        await same.register(backend)
+        assert same.step == 1

@@ -52,9 +52,15 @@ def _client(python: str, *args: str) -> subprocess.Popen[str]:
                             stderr=subprocess.STDOUT, text=True, env=env, cwd=HERE)
 
 
-def test_client_without_torch(client_python: str):
+def test_client_without_torch(client_python: str, tmp_path: Path):
     out = subprocess.run([client_python, "-c", "import torch"], capture_output=True, text=True)
     assert out.returncode != 0 and "No module named 'torch'" in out.stderr
+    # Commands that need the training stack say which extra to install, in one line, not a traceback.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "core"), str(REPO)]))
+    for args in (["demo"], ["export", str(tmp_path / "model"), str(tmp_path / "out"), "--merged"]):
+        out = subprocess.run([client_python, "-m", "art_core.cli", *args], capture_output=True, text=True, env=env)
+        assert out.returncode == 1 and "pip install 'art-core[train]'" in out.stderr, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 def test_agents_train_remotely_and_resume_after_a_crash(client_python: str, scripted_dir: Path, tmp_path: Path):

@@ -277,7 +277,7 @@ class LocalBackend(ServesModels):
         import torch
 
         from ..models import resolve_base_model
-        from ..training.checkpoints import latest_checkpoint
+        from ..training.checkpoints import check_adapter_shape, latest_checkpoint
         from ..training.trainer import GRPOTrainer
 
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -285,6 +285,8 @@ class LocalBackend(ServesModels):
         model_dir = self.model_dir(model)
         latest = latest_checkpoint(model_dir)
         adapter_dir = latest.path if latest else None
+        if latest:
+            check_adapter_shape(latest.path, model.lora, model=model.name)
 
         def load_trainer() -> GRPOTrainer:
             policy, tokenizer = self._trainer.load(base_dir, model.lora, device, adapter_dir)

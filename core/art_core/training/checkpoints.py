@@ -20,9 +20,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 
-__all__ = ["CheckpointInfo", "checkpoint_of_train_call", "delete_checkpoints", "latest_checkpoint", "list_checkpoints",
+__all__ = ["CheckpointInfo", "check_adapter_shape", "checkpoint_of_train_call", "delete_checkpoints", "latest_checkpoint", "list_checkpoints",
            "remove_interrupted_writes", "write_checkpoint"]
 
 MARKER = "checkpoint.json"
@@ -99,6 +99,30 @@ def latest_checkpoint(model_dir: Path) -> CheckpointInfo | None:
     remove_interrupted_writes(model_dir)
     checkpoints = list_checkpoints(model_dir)
     return checkpoints[-1] if checkpoints else None
+
+
+def check_adapter_shape(checkpoint: Path, lora: Any, *, model: str) -> None:
+    """Raise when ``lora`` (``LoraSettings``) asks for another adapter shape than ``checkpoint`` holds.
+
+    A model's adapter is fixed for its life: resumed with other settings, the checkpoint would load as it was
+    saved and the settings would be silently ignored (and recorded as if they held).
+
+    Raises:
+        ConfigError: rank, alpha, dropout or target modules differ; the message names both and the fix.
+    """
+    try:
+        saved = json.loads((checkpoint / "adapter_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # not ours to judge: loading it will say what is wrong
+    pairs = {"rank": (saved.get("r"), lora.rank), "alpha": (saved.get("lora_alpha"), lora.alpha),
+             "dropout": (saved.get("lora_dropout"), lora.dropout),
+             "target_modules": (sorted(saved.get("target_modules") or []), sorted(lora.target_modules))}
+    differ = {name: pair for name, pair in pairs.items() if pair[0] is not None and pair[0] != pair[1]}
+    if differ:
+        said = ", ".join(f"{name} {theirs!r} (asked: {ours!r})" for name, (theirs, ours) in differ.items())
+        raise ConfigError(f"model {model!r} resumes from {checkpoint}, whose adapter has {said}: an adapter's shape "
+                          "is fixed for the model's life; register it with the checkpoint's LoraSettings, or train "
+                          "a model of another name")
 
 
 def remove_interrupted_writes(model_dir: Path) -> list[str]:

@@ -214,7 +214,7 @@ class RayBackend(ServesModels):
 
         from ...gateway import Gateway, GatewaySettings, RecordStore
         from ...models import resolve_base_model
-        from ...training.checkpoints import latest_checkpoint
+        from ...training.checkpoints import check_adapter_shape, latest_checkpoint
         from .replicas import EngineReplica, ReplicaRouter
         from .trainer_group import TrainerGroup
 
@@ -224,6 +224,8 @@ class RayBackend(ServesModels):
         base_dir = str(resolve_base_model(model.base_model))  # the driver's copy, for the gateway's tokenizer
         model_dir = self.model_dir(model)
         latest = latest_checkpoint(model_dir)
+        if latest:
+            check_adapter_shape(latest.path, model.lora, model=model.name)
         step = latest.step if latest else 0
         checkpoint = ({p.name: p.read_bytes() for p in latest.path.iterdir() if p.is_file()} if latest else None)
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
