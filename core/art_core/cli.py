@@ -140,7 +140,8 @@ def serve(
     except ConfigError as exc:
         typer.secho(str(exc), fg="red", err=True)
         raise typer.Exit(2) from exc
-    with errors_as_lines():  # found starting the engine or trainer (no vLLM venv, no GPU)
+    # errors found starting the engine or trainer (no vLLM venv, no GPU); warnings of the steps it runs
+    with errors_as_lines(), warnings_as_lines():
         run_forever(settings)
 
 
