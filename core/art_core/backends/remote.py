@@ -269,24 +269,24 @@ class RemoteBackend:
     # -- HTTP -------------------------------------------------------------------------------------------
 
     async def _gateway_get(self, model: ModelSpec, path: str) -> httpx.Response:
-        """GET ``path`` of the model's gateway (one round trip on a pooled connection, off the loop's thread); a
-        server that restarted since gets the model registered again, and the call once more."""
+        """GET ``path`` of the model's gateway; a server that restarted since (it no longer serves the model) gets
+        the model registered again, and the call once more."""
+        try:
+            return await self._gateway_fetch(model, path)
+        except ModelNotRegisteredError:
+            await self._reregister(model)
+            return await self._gateway_fetch(model, path)
+
+    async def _gateway_fetch(self, model: ModelSpec, path: str) -> httpx.Response:
+        """One GET of the model's gateway (a round trip on a pooled connection, off the loop's thread)."""
         url = self._gateway_url(model) + path
-        for attempt in range(2):
-            try:
-                async with self._http.client() as client:
-                    response = await client.get(url)
-            except httpx.TransportError as exc:
-                raise self._unavailable(exc) from exc
-            try:
-                self._raise_for_error(response)
-            except ModelNotRegisteredError:
-                if attempt:
-                    raise
-                await self._reregister(model)
-                continue
-            return response
-        raise AssertionError("unreachable")
+        try:
+            async with self._http.client() as client:
+                response = await client.get(url)
+        except httpx.TransportError as exc:
+            raise self._unavailable(exc) from exc
+        self._raise_for_error(response)
+        return response
 
     def _encode(self, content: bytes) -> tuple[bytes, dict[str, str]]:
         headers = {"Content-Type": "application/json"}
