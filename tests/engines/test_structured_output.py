@@ -201,6 +201,21 @@ async def test_a_schema_llguidance_refuses_is_a_400_naming_it(engine, tmp_path):
         assert ok.choices[0].message.content is not None
 
 
+def test_required_allows_the_reply_to_end_after_a_newline(grammar):
+    """After "</tool_call>" a model most often writes a newline: "required" must let it end there, not force
+    another call (half of an Agents SDK group ran into a second, cut call with the old grammar)."""
+    from art_core.gateway.parsing import sampling_params
+    from art_core.gateway.schemas import ChatCompletionRequest
+
+    body = ChatCompletionRequest.model_validate({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
+                                                 "tools": TOOLS, "tool_choice": "required"})
+    required = sampling_params(body, GatewaySettings(model_name="tiny")).grammar
+    second = CALL.replace("Oslo", "Paris")
+    assert grammar.accepts(required, CALL) and grammar.accepts(required, CALL + "\n")
+    assert grammar.accepts(required, CALL + "\n" + second) and grammar.accepts(required, CALL + "\n" + second + "\n")
+    assert not grammar.accepts(required, CALL + "\n\n") and not grammar.accepts(required, "")
+
+
 ANSWER = {"type": "object", "properties": {"department": {"enum": ["billing", "technical"]}},
           "required": ["department"], "additionalProperties": False}
 

@@ -329,7 +329,7 @@ def hermes_tool_call_grammar(tools: list[tuple[str, dict[str, Any] | None]], *, 
 
     Args:
         tools: ``(name, parameters schema)`` per tool; a schema of None or ``{}`` means no arguments.
-        multiple: allow several blocks, separated by newlines.
+        multiple: allow several blocks, separated by newlines (and a newline after the last).
         or_json: the schema of the alternative answer; None: tool calls only.
     """
     alternatives = []
@@ -340,7 +340,9 @@ def hermes_tool_call_grammar(tools: list[tuple[str, dict[str, Any] | None]], *, 
                   "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": _JSON_OPTIONS,
                   **definitions}
         alternatives.append("%json " + json.dumps(schema))
-    calls = 'call ("\\n" call)*' if multiple else "call"
+    # A newline after a call may end the reply too: it is what the model most often writes after "</tool_call>",
+    # and had it to be followed by another call, "required" would force calls the model did not choose.
+    calls = 'call ("\\n" call)* "\\n"?' if multiple else "call"
     rules = [
         "%llguidance {}",
         f"start: {calls} | answer" if or_json is not None else f"start: {calls}",
