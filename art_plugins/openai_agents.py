@@ -361,7 +361,9 @@ class AgentCapture:
             result = await Runner.run(agent, "Hi!", run_config=run.run_config())
         trajectory = await run.fetch_trajectory(final_output=result.final_output, last_agent=result.last_agent)
 
-    (``run.trajectory(...)`` is the same, waited for in the calling thread, for synchronous code.)
+    The capture itself is opened with ``async with`` only; a synchronous run (``Runner.run_sync`` in a worker
+    thread, started inside it) is captured too, and ``run.trajectory(...)`` is ``fetch_trajectory`` waited for in
+    the calling thread (never on the event loop that serves a ``LocalBackend``'s gateway).
 
     Attributes:
         rollout_id: the gateway's rollout id for this run's calls.
