@@ -71,6 +71,11 @@ def _current_node() -> str | None:
     if not config:
         return None
     metadata = config.get("metadata") or {}
+    if "langgraph_node" not in metadata:
+        # A chain run with metadata of its own (``chain.invoke(x, config={"metadata": ...})``, as LangChain's
+        # summarisation middleware does) replaces the node's; its callbacks still carry it, inherited.
+        inherited = getattr(config.get("callbacks"), "inheritable_metadata", None) or {}
+        metadata = {**inherited, **metadata}
     node = metadata.get("langgraph_node")
     if node is None:
         return None
@@ -258,8 +263,12 @@ async def _paused_at(graph: Any, config: dict[str, Any], state: Any) -> tuple[st
     """
     from langgraph.checkpoint.base import BaseCheckpointSaver
 
+    bound = getattr(graph, "config", None)  # graph.with_config(configurable={"thread_id": ...}) binds it there
+    configurable = {**((bound.get("configurable") or {}) if isinstance(bound, dict) else {}),
+                    **(config.get("configurable") or {})}
     if isinstance(getattr(graph, "checkpointer", None), BaseCheckpointSaver) and \
-            (config.get("configurable") or {}).get("thread_id") is not None:
+            configurable.get("thread_id") is not None:
+        config = {**config, "configurable": configurable}
         try:
             snapshot = await graph.aget_state(config)
         except NotImplementedError:  # a checkpointer with no async methods (SqliteSaver)

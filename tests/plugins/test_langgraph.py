@@ -19,6 +19,7 @@ import httpx2
 import openai
 import pytest
 from langchain_core.messages import AnyMessage, SystemMessage
+from langchain_core.runnables import RunnablePassthrough
 from langchain_core.tools import tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_openai import ChatOpenAI
@@ -117,16 +118,19 @@ class State(TypedDict):
     route: str
 
 
-def routed_graph() -> Any:
-    """A router node (plain Python) in front of a solver LLM node and a ToolNode."""
+def routed_graph(call_config: dict[str, Any] | None = None) -> Any:
+    """A router node (plain Python) in front of a solver LLM node and a ToolNode; ``call_config``: the config the
+    solver passes to its model call (metadata of its own, say)."""
     llm = _llm().bind_tools([add, multiply])
+    # In a chain: a sequence runs its steps under the config it was given, the node's metadata replaced by that
+    chain = RunnablePassthrough() | llm if call_config else llm
 
     def router(state: State) -> dict[str, Any]:
         text = state["messages"][-1].content
         return {"route": "solver" if any(ch.isdigit() for ch in text) else "end"}
 
     def solver(state: State) -> dict[str, Any]:
-        return {"messages": [llm.invoke([SystemMessage(ROUTED_SYSTEM), *state["messages"]])]}
+        return {"messages": [chain.invoke([SystemMessage(ROUTED_SYSTEM), *state["messages"]], config=call_config)]}
 
     builder = StateGraph(State)
     builder.add_node("router", router)
@@ -215,8 +219,12 @@ async def test_prebuilt_react_agent_with_two_tools(model):
     _assert_token_exact(trajectory, model)
 
 
-async def test_custom_state_graph_with_router_and_tool_node(model):
-    agent = trainable(routed_graph(), model)
+@pytest.mark.parametrize("call_config", [None, {"metadata": {"purpose": "solve"}, "tags": ["solver-call"]}],
+                         ids=["plain", "call-with-its-own-metadata"])
+async def test_custom_state_graph_with_router_and_tool_node(model, call_config):
+    """A call made with metadata of its own (as LangChain's summarisation middleware makes) keeps its node label:
+    that metadata replaces the node's in the run config, the callbacks still inherit it."""
+    agent = trainable(routed_graph(call_config), model)
     trajectory = await agent.rollout({"messages": [("user", "Compute 5 + 6.")]})
 
     assert [_summary(m) for m in trajectory.messages][1:] == [
@@ -370,6 +378,10 @@ async def test_a_static_breakpoint_leaves_the_same_final_state_whatever_the_meth
     assert "__interrupt__" not in trajectory.final_state
     assert trajectory.final_state["messages"][-1].content == "The answer is 14."
     assert trajectory.metadata["stop_reason"] == "interrupted" and trajectory.metadata["interruptions"] == "send"
+    if method == "astream":  # the thread bound with with_config (as create_agent's graphs are), not passed
+        bound = graph.with_config(configurable={"thread_id": uuid.uuid4().hex})
+        paused = await trainable(bound, model).rollout(REACT_INPUT, method=method)
+        assert paused.metadata["stop_reason"] == "interrupted" and paused.metadata["interruptions"] == "send"
     # the same graph without the breakpoint runs to its end, and is not marked
     whole = (StateGraph(State).add_sequence([solve, send]).add_edge(START, "solve")
              .compile(checkpointer=MemorySaver()))
