@@ -90,7 +90,9 @@ class _GatewayProvider(ModelProvider):
         self._trainable: Model | None = None
 
     def get_model(self, model_name: str | None) -> Model:
-        if (model_name or get_default_model()) in self._names:
+        name = model_name or get_default_model()
+        # "openai/gpt-4.1" is the SDK's (MultiProvider's) spelling of OpenAI's "gpt-4.1": either names it
+        if name in self._names or name.removeprefix("openai/") in self._names:
             return self._trainable_model()
         try:
             return self._fallback.get_model(model_name)

@@ -369,9 +369,10 @@ async def test_the_http_redirect_is_installed_only_for_an_agent_with_its_own_mod
 async def test_the_agents_own_model_name_is_mapped(model: TrainableModel):
     runner = TrainableRunner(model, model_names=["gpt-4.1-mini"])
     by_name = calculator("gpt-4.1-mini")  # resolved by the runner's model provider
+    prefixed = calculator("openai/gpt-4.1-mini")  # the SDK's provider-prefixed spelling of the same model
     by_object = calculator(OpenAIResponsesModel(model="gpt-4.1-mini", openai_client=AsyncOpenAI(
         base_url=UNREACHABLE, api_key="unused")))  # redirected at the HTTP layer
-    for agent in (by_name, by_object):
+    for agent in (by_name, prefixed, by_object):
         result, trajectory = await runner.run(agent, "What is 3 + 4?")
         assert result is not None and result.final_output == "3 + 4 = 7." and len(trajectory.calls) == 2
         records = model.rollout_records(trajectory.metadata["rollout_id"])
