@@ -25,7 +25,9 @@ import hashlib
 import importlib
 import json
 import logging
+import re
 import threading
+import urllib.parse
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -41,6 +43,7 @@ __all__ = ["CountingTransport", "Route", "current_route", "derive_seed", "routed
 logger = logging.getLogger(__name__)
 
 _ENDPOINTS = ("/chat/completions", "/responses")
+_AZURE_DEPLOYMENT = re.compile(r"/openai/deployments/([^/]+)/(?:chat/completions|responses)$")
 # Headers that belong to the original destination or are recomputed for the new body.
 _DROPPED_HEADERS = frozenset({"host", "content-length", "authorization", "api-key", "x-api-key", "transfer-encoding"})
 
@@ -220,6 +223,10 @@ class Route:
         except Exception:  # a streamed or non-JSON body: no model call we can see or route
             return request
         model = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(model, str) and isinstance(body, dict):
+            # Azure OpenAI names the model by its deployment, in the URL only (AzureChatOpenAI(azure_deployment=...))
+            deployment = _AZURE_DEPLOYMENT.search(request.url.path)
+            model = urllib.parse.unquote(deployment.group(1)) if deployment else None
         if not isinstance(model, str):
             return request
         # Any provider's model call counts here (Anthropic's /v1/messages too), for the "never called" error.
@@ -230,7 +237,7 @@ class Route:
         if endpoint is None or model not in self.model_names:
             return request
         content = request.content
-        if model != self.served_name:
+        if body.get("model") != self.served_name:
             body["model"] = self.served_name
             content = json.dumps(body).encode()
         headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() not in _DROPPED_HEADERS]

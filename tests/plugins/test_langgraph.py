@@ -236,6 +236,17 @@ async def test_custom_state_graph_with_router_and_tool_node(model, call_config):
     _assert_token_exact(trajectory, model)
 
 
+async def test_an_azure_deployment_of_the_models_name_is_routed(model):
+    """``AzureChatOpenAI(azure_deployment=...)`` names the model in the URL only (the body's ``model`` is null)."""
+    from langchain_openai import AzureChatOpenAI
+
+    llm = AzureChatOpenAI(azure_deployment="agent", azure_endpoint=_nowhere().removesuffix("/v1"),
+                          api_version="2024-10-21", api_key="unused", temperature=0.0, max_tokens=64)
+    graph = create_react_agent(llm, [add, multiply], prompt=REACT_SYSTEM)
+    trajectory = await trainable(graph, model).rollout(REACT_INPUT)
+    assert len(trajectory.calls) == 3 and trajectory.final_state["messages"][-1].content == "The answer is 14."
+
+
 async def test_only_the_trainable_node_is_routed(model, scripted_dir):
     """The critic node's model is served elsewhere: its call reaches that server, untouched."""
     engine = await TransformersEngine.from_pretrained(scripted_dir)
