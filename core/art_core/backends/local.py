@@ -277,12 +277,13 @@ class LocalBackend(ServesModels):
         import torch
 
         from ..models import resolve_base_model
-        from ..training.checkpoints import check_adapter_shape, latest_checkpoint
+        from ..training.checkpoints import check_adapter_shape, latest_checkpoint, remove_interrupted_writes
         from ..training.trainer import GRPOTrainer
 
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         base_dir = resolve_base_model(model.base_model)
         model_dir = self.model_dir(model)
+        remove_interrupted_writes(model_dir)  # a killed process's half-written checkpoint: nothing writes now
         latest = latest_checkpoint(model_dir)
         adapter_dir = latest.path if latest else None
         if latest:

@@ -22,8 +22,8 @@ from typing import Any
 
 from ..errors import CheckpointError, ConfigError
 
-__all__ = ["CheckpointInfo", "check_adapter_shape", "checkpoint_of_train_call", "delete_checkpoints", "latest_checkpoint", "list_checkpoints",
-           "remove_interrupted_writes", "write_checkpoint"]
+__all__ = ["CheckpointInfo", "check_adapter_shape", "checkpoint_of_train_call", "delete_checkpoints",
+           "latest_checkpoint", "list_checkpoints", "remove_interrupted_writes", "write_checkpoint"]
 
 MARKER = "checkpoint.json"
 
@@ -94,9 +94,7 @@ def list_checkpoints(model_dir: Path) -> list[CheckpointInfo]:
 
 
 def latest_checkpoint(model_dir: Path) -> CheckpointInfo | None:
-    """The complete checkpoint with the highest step, or None. Leftovers of writes a crash interrupted are removed
-    first (``remove_interrupted_writes``): this is called when a model is loaded, before any write of its own."""
-    remove_interrupted_writes(model_dir)
+    """The complete checkpoint with the highest step, or None."""
     checkpoints = list_checkpoints(model_dir)
     return checkpoints[-1] if checkpoints else None
 
@@ -129,7 +127,8 @@ def remove_interrupted_writes(model_dir: Path) -> list[str]:
     """Delete the hidden folders a killed process left in ``checkpoints/`` (``.tmp-``: a write never renamed into
     place; ``.old-``/``.del-``: a replaced or deleted checkpoint not yet removed). Returns their names.
 
-    Only safe while no process writes the model's checkpoints: called when a model is loaded.
+    Only safe while no process writes the model's checkpoints: the backends call it when they load a model,
+    before its first step.
     """
     root = model_dir / "checkpoints"
     removed = []

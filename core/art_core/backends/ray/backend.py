@@ -214,7 +214,7 @@ class RayBackend(ServesModels):
 
         from ...gateway import Gateway, GatewaySettings, RecordStore
         from ...models import resolve_base_model
-        from ...training.checkpoints import check_adapter_shape, latest_checkpoint
+        from ...training.checkpoints import check_adapter_shape, latest_checkpoint, remove_interrupted_writes
         from .replicas import EngineReplica, ReplicaRouter
         from .trainer_group import TrainerGroup
 
@@ -223,6 +223,7 @@ class RayBackend(ServesModels):
         ray = self._ray()
         base_dir = str(resolve_base_model(model.base_model))  # the driver's copy, for the gateway's tokenizer
         model_dir = self.model_dir(model)
+        remove_interrupted_writes(model_dir)  # a killed process's half-written checkpoint: nothing writes now
         latest = latest_checkpoint(model_dir)
         if latest:
             check_adapter_shape(latest.path, model.lora, model=model.name)
