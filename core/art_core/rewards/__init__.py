@@ -7,7 +7,8 @@
 
 Modules, one job each: ``ruler.py`` (the RULER flow), ``_prompt.py`` (what the judge reads and the answer
 schema), ``_answer.py`` (checking the answer), ``_judge.py`` (the litellm call, usage and cost),
-``_cache.py`` (answers on disk), ``custom.py`` (reward functions and weights). Importing this package
+``_cache.py`` (answers on disk), ``custom.py`` (reward functions and weights), ``_tasks.py`` (concurrent calls
+that stop together). Importing this package
 imports neither litellm nor torch; judges need ``pip install 'art-core[rewards]'``.
 """
 

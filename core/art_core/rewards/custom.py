@@ -15,7 +15,6 @@ group is never modified, so an error leaves every reward as it was.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -23,6 +22,7 @@ from typing import Any, TypeAlias
 
 from ..errors import ConfigError, RewardError
 from ..types import Trajectory, TrajectoryGroup
+from ._tasks import gather_or_cancel
 
 __all__ = ["GroupScorer", "RewardFn", "reward_value", "score_group"]
 
@@ -75,15 +75,8 @@ async def score_group(
     states = list(final_states) if final_states is not None else [t.final_state for t in group]
 
     # The functions and the judge run concurrently; the first error cancels the rest.
-    tasks = [asyncio.ensure_future(_component_values(group, rewards, states))]
-    if ruler is not None:
-        tasks.append(asyncio.ensure_future(ruler(group)))
-    try:
-        results = await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        raise
+    results = await gather_or_cancel([_component_values(group, rewards, states),
+                                      *([ruler(group)] if ruler is not None else [])])
     values: dict[str, list[float]] = results[0]  # name -> one value per trajectory
     base = group
     if ruler is not None:
@@ -147,15 +140,8 @@ async def _component_values(group: TrajectoryGroup, rewards: Mapping[str, Reward
 
     names = list(rewards)
     pairs = list(zip(group.trajectories, states, strict=True))
-    # One flat set of tasks, so that the first error cancels every other call (a nested gather would not).
-    tasks = [asyncio.ensure_future(one(name, rewards[name], t, s)) for name in names for t, s in pairs]
-    try:
-        flat = await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)  # they have stopped when score_group raises
-        raise
+    # One flat set of calls, so that the first error cancels every other one (a nested gather would not).
+    flat = await gather_or_cancel(one(name, rewards[name], t, s) for name in names for t, s in pairs)
     return {name: flat[k * len(pairs):(k + 1) * len(pairs)] for k, name in enumerate(names)}
 
 

@@ -23,7 +23,6 @@ trajectory keeps its original reward.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import logging
 import os
@@ -38,6 +37,7 @@ from ._answer import Judgement, MalformedAnswer, parse_answer
 from ._cache import JudgeCache, cache_key, default_cache_dir
 from ._judge import JudgeUsage, call_judge
 from ._prompt import DEFAULT_RUBRIC, JudgePrompt, build_judge_prompt, repair_message
+from ._tasks import gather_or_cancel
 
 __all__ = ["DEFAULT_CACHE", "ruler_score_group", "ruler_step_scores"]
 
@@ -122,17 +122,12 @@ async def ruler_score_group(
                               f"its exceptions: {group.exceptions[:3]})")
         n = len(group.trajectories)
         permutations = [_order(seed, k, n) for k in range(orders)]
-        tasks = [asyncio.ensure_future(_judge_order(
+        # one order failed: the group fails, so stop paying for the others
+        answers = await gather_or_cancel(_judge_order(
             group, permutation, seed=seed, order=k, judge=judge, rubric=rubric, api_base=api_base, api_key=api_key,
             max_repairs=max_repairs, cache=cache, step_rewards=step_rewards,
             explanation_max_chars=explanation_max_chars, completion_kwargs=dict(completion_kwargs or {}),
-            spent=spent)) for k, permutation in enumerate(permutations)]
-        try:
-            answers = await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:  # one order failed: the group fails, so stop paying for the others
-                task.cancel()
-            raise
+            spent=spent) for k, permutation in enumerate(permutations))
     except RewardError as exc:
         spent.failures = 1
         if usage is not None:
