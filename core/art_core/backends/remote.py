@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -251,14 +251,20 @@ class RemoteBackend:
 
     async def _model_call(self, model: ModelSpec, method: str, route: str, *,
                           content: bytes | None = None) -> httpx.Response:
-        """``_call`` on one of the model's routes; a server that restarted since (it no longer knows the model)
-        gets the model registered again, and the call once more."""
+        """``_call`` on one of the model's routes (``_again_after_a_restart``)."""
         self._registered(model)
+        return await self._again_after_a_restart(
+            model, lambda: self._call(method, self._model_path(model, route), content=content))
+
+    async def _again_after_a_restart(self, model: ModelSpec,
+                                     call: Callable[[], Awaitable[httpx.Response]]) -> httpx.Response:
+        """``call()``; when the server no longer knows the model (it restarted since), the model is registered
+        again and ``call()`` made once more."""
         try:
-            return await self._call(method, self._model_path(model, route), content=content)
+            return await call()
         except ModelNotRegisteredError:
             await self._reregister(model)
-            return await self._call(method, self._model_path(model, route), content=content)
+            return await call()
 
     async def _reregister(self, model: ModelSpec) -> None:
         """Register ``model`` again on a server that lost it (a restart): it resumes from its last checkpoint."""
@@ -269,13 +275,8 @@ class RemoteBackend:
     # -- HTTP -------------------------------------------------------------------------------------------
 
     async def _gateway_get(self, model: ModelSpec, path: str) -> httpx.Response:
-        """GET ``path`` of the model's gateway; a server that restarted since (it no longer serves the model) gets
-        the model registered again, and the call once more."""
-        try:
-            return await self._gateway_fetch(model, path)
-        except ModelNotRegisteredError:
-            await self._reregister(model)
-            return await self._gateway_fetch(model, path)
+        """GET ``path`` of the model's gateway (``_again_after_a_restart``)."""
+        return await self._again_after_a_restart(model, lambda: self._gateway_fetch(model, path))
 
     async def _gateway_fetch(self, model: ModelSpec, path: str) -> httpx.Response:
         """One GET of the model's gateway (a round trip on a pooled connection, off the loop's thread)."""
