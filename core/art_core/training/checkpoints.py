@@ -18,9 +18,12 @@ import warnings
 from dataclasses import dataclass
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from ..config import LoraSettings
 
 __all__ = ["CheckpointInfo", "check_adapter_shape", "checkpoint_of_train_call", "delete_checkpoints",
            "latest_checkpoint", "list_checkpoints", "remove_interrupted_writes", "write_checkpoint"]
@@ -99,8 +102,8 @@ def latest_checkpoint(model_dir: Path) -> CheckpointInfo | None:
     return checkpoints[-1] if checkpoints else None
 
 
-def check_adapter_shape(checkpoint: Path, lora: Any, *, model: str) -> None:
-    """Raise when ``lora`` (``LoraSettings``) asks for another adapter shape than ``checkpoint`` holds.
+def check_adapter_shape(checkpoint: Path, lora: LoraSettings, *, model: str) -> None:
+    """Raise when ``lora`` asks for another adapter shape than ``checkpoint`` holds.
 
     A model's adapter is fixed for its life: resumed with other settings, the checkpoint would load as it was
     saved and the settings would be silently ignored (and recorded as if they held).
