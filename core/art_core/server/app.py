@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, ValidationError
@@ -165,18 +166,11 @@ def create_server_app(backend: ServedBackend, *, token: str | None, max_body_byt
         record_dir = backend.model_dir(spec) / "train_calls"
         job, state = jobs.attach(body.train_id, digest, record_dir)
         if job is None:
-            from ..training.checkpoints import checkpoint_of_train_call
-
-            # Killed after the checkpoint, before the call's result was recorded: answer from the checkpoint.
-            written = checkpoint_of_train_call(backend.model_dir(spec), body.train_id)
+            recovered = _result_in_checkpoint(backend.model_dir(spec), body.train_id, body.config.kind)
 
             async def run(progress: Any) -> dict[str, Any]:
-                if written is not None:
-                    step, metrics = written
-                    if not any(row.get("step") == step for row in read_history(backend.model_dir(spec))):
-                        append_history(backend.model_dir(spec), {"step": step, "time": time.time(),
-                                                                 "kind": body.config.kind, **metrics})
-                    return TrainResult(step=step, metrics=metrics).model_dump(mode="json")
+                if recovered is not None:
+                    return recovered
                 result = await backend.train(spec, body.groups, body.config, progress=progress, train_id=body.train_id)
                 return result.model_dump(mode="json")
 
@@ -257,6 +251,21 @@ class _Dispatch:
         prefix = gateway_path(spec.project, spec.name)
         child = dict(scope, root_path=scope.get("root_path", "") + prefix)
         await self.backend.gateway(spec).app(child, receive, send)
+
+
+def _result_in_checkpoint(model_dir: Path, train_id: str, kind: str) -> dict[str, Any] | None:
+    """The result of a train call whose checkpoint was written but whose result was never recorded (the server was
+    killed in between), from the checkpoint that names it, with its missing history row restored; None when no
+    checkpoint names the call (it trains)."""
+    from ..training.checkpoints import checkpoint_of_train_call
+
+    written = checkpoint_of_train_call(model_dir, train_id)
+    if written is None:
+        return None
+    step, metrics = written
+    if not any(row.get("step") == step for row in read_history(model_dir)):
+        append_history(model_dir, {"step": step, "time": time.time(), "kind": kind, **metrics})
+    return TrainResult(step=step, metrics=metrics).model_dump(mode="json")
 
 
 def _parse(model: type[BaseModel], body: bytes) -> Any:
